@@ -1,0 +1,3 @@
+from hotggml.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""CMake build of the patched ggml, keyed by pin + series hash + backend options.
+
+A build folder is ``<state>/build/<backend>-<key>`` where key hashes the pin commit, the
+series hash and the CMake options, so a changed series never reuses a stale build, and an
+unchanged one is not rebuilt. A build is "good" once ``hotggml-build.json`` (written by
+CMakeLists.txt) and the libraries exist and ``.complete`` is written after a successful
+``cmake --build``; an interrupted build leaves other keyed builds untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from hotggml import paths
+from hotggml.errors import BuildError
+
+BACKENDS = ("cpu", "cuda")
+
+# the CUDA options SPEC §5 / the device notes ask for: inference FA kernels off, no NCCL
+_BACKEND_DEFINES = {
+    "cpu": {},
+    "cuda": {"GGML_CUDA": "ON", "GGML_CUDA_FA": "OFF", "GGML_CUDA_NCCL": "OFF"},
+}
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """A finished build: its folder, the folder of its shared libraries, and what it was built from."""
+
+    backend: str
+    build_dir: Path
+    lib_dir: Path
+    pin: str
+    series_hash: str
+    rebuilt: bool
+
+
+def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """CMake -D options for a backend (``cpu`` or ``cuda``); raises BuildError for another name."""
+    if backend not in BACKENDS:
+        raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    defines = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON"}
+    defines.update(_BACKEND_DEFINES[backend])
+    if backend == "cuda":
+        defines["CMAKE_CUDA_ARCHITECTURES"] = cuda_arch or "native"
+    defines.update(extra or {})
+    return defines
+
+
+def build_key(pin: str, series_hash: str, defines: dict[str, str]) -> str:
+    """16 hex digits identifying (pin, series, options); the build folder's name ends with it."""
+    blob = json.dumps({"pin": pin, "series": series_hash, "defines": defines}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_dir_for(backend: str, pin: str, series_hash: str, defines: dict[str, str]) -> Path:
+    return paths.build_root() / f"{backend}-{build_key(pin, series_hash, defines)}"
+
+
+def _is_complete(build_dir: Path) -> bool:
+    return (build_dir / ".complete").is_file() and (build_dir / "lib" / "hotggml-build.json").is_file()
+
+
+def _generator() -> list[str]:
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); last lines of {log}:\n" + "\n".join(tail))
+
+
+def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None,
+          extra_defines: dict[str, str] | None = None) -> BuildInfo:
+    """Fetch the pin, apply the series, and build ``backend`` unless an identical build exists.
+
+    Returns the BuildInfo of the (possibly reused) build. Raises PinError / PatchError from the
+    preparation steps, BuildError when CMake fails (the log path is in the message).
+    """
+    from hotggml import prepare
+
+    prep = prepare.prepare()
+    defines = cmake_defines(backend, cuda_arch, extra_defines)
+    bdir = build_dir_for(backend, prep.pin, prep.series_hash, defines)
+    info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=False)
+    if _is_complete(bdir):
+        _set_current(info)
+        return info
+
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / ".complete").unlink(missing_ok=True)
+    log = bdir / "build.log"
+    configure = ["cmake", "-S", str(paths.REPO_ROOT), "-B", str(bdir), *_generator(),
+                 f"-DHOTGGML_GGML_SOURCE_DIR={prep.source_dir}",
+                 f"-DHOTGGML_PIN={prep.pin}", f"-DHOTGGML_SERIES_HASH={prep.series_hash}",
+                 *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
+    _run(configure, log)
+    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log)
+    (bdir / ".complete").write_text(json.dumps({"pin": prep.pin, "series_hash": prep.series_hash,
+                                                 "defines": defines}, indent=1) + "\n")
+    info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=True)
+    _set_current(info)
+    return info
+
+
+def _set_current(info: BuildInfo) -> None:
+    """Point ``<state>/build/current-<backend>`` at a good build (atomic replace)."""
+    pointer = paths.build_root() / f"current-{info.backend}.json"
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"lib_dir": str(info.lib_dir), "pin": info.pin,
+                               "series_hash": info.series_hash}) + "\n")
+    os.replace(tmp, pointer)
+
+
+def current_lib_dir(backend: str | None = None) -> Path | None:
+    """Library folder of the newest good build (of ``backend``, else cuda then cpu), or None."""
+    for name in ([backend] if backend else ["cuda", "cpu"]):
+        pointer = paths.build_root() / f"current-{name}.json"
+        if pointer.is_file():
+            lib_dir = Path(json.loads(pointer.read_text())["lib_dir"])
+            if (lib_dir / "hotggml-build.json").is_file():
+                return lib_dir
+    return None

@@ -1,0 +1,29 @@
+"""One exception family for hotggml; every message says what to do next."""
+
+
+class HotggmlError(Exception):
+    """Base class of every error hotggml raises on purpose."""
+
+
+class PinError(HotggmlError):
+    """The pinned ggml source is missing, unreachable, tampered with or dirty."""
+
+
+class PatchError(HotggmlError):
+    """A patch in the series is malformed (CRLF, no name), does not apply, or misses a marker."""
+
+
+class BuildError(HotggmlError):
+    """CMake configure or build failed, or no build exists for the current pin + series."""
+
+
+class LibraryError(HotggmlError, ImportError):
+    """The shared library is missing or stale (built from another pin or series)."""
+
+
+class BackendError(HotggmlError):
+    """A requested backend is not in the registry, or a node did not run on it."""
+
+
+class UnsupportedOpError(BackendError):
+    """A backend's supports_op answered false for a node at the run's real shape."""

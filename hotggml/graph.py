@@ -1,0 +1,326 @@
+"""Graphs on a named backend: tensors to and from NumPy, autodiff, allocator arenas, compute.
+
+Shapes are in ggml order (``ne[0]`` fastest): a NumPy array of shape (B, Nh, S, D) is the ggml
+tensor [D, S, Nh, B]. Everything lives in one no-alloc ggml context; the graph allocator
+(gallocr) places all tensors, inputs included, in one arena on the backend, so the arena
+size is the memory the graph needs there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hotggml.errors import BackendError
+from hotggml.ffi import ffi, load
+
+GGML_MAX_DIMS = 4
+_GGML_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+_NP_TYPES = {v: k for k, v in _GGML_TYPES.items()}
+
+
+def devices() -> list[tuple[str, str]]:
+    """(registry device name, description) of every device the loaded library offers, e.g. ('CPU', ...)."""
+    lib = load()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        out.append((ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                    ffi.string(lib.ggml_backend_dev_description(dev)).decode()))
+    return out
+
+
+class Backend:
+    """A ggml backend opened by its registry device name ('CPU', 'CUDA0', 'Vulkan0', ...).
+
+    Raises BackendError when the name is not in the registry: a missing backend is a hard
+    failure, never a silent CPU fallback. n_threads applies to the CPU backend only.
+    """
+
+    def __init__(self, device_name: str, n_threads: int | None = None):
+        lib = load()
+        dev = lib.ggml_backend_dev_by_name(device_name.encode())
+        if dev == ffi.NULL:
+            names = ", ".join(name for name, _ in devices())
+            raise BackendError(f"backend device {device_name!r} is not in this build's registry (have: {names}); "
+                               "build it (e.g. `hotggml build --backend cuda`) on a machine that has it")
+        self.device_name = device_name
+        self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
+        self._dev = dev
+        self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
+        if self._ptr == ffi.NULL:
+            raise BackendError(f"backend device {device_name!r} failed to initialise")
+        if n_threads is not None:
+            if device_name != "CPU":
+                raise ValueError("n_threads applies to the CPU backend only")
+            if n_threads < 1:
+                raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+            lib.ggml_backend_cpu_set_n_threads(self._ptr, n_threads)
+        self.n_threads = n_threads
+
+    def supports_op(self, tensor: "Tensor") -> bool:
+        """The device's own answer for this node at its real shapes and types."""
+        return bool(load().ggml_backend_dev_supports_op(self._dev, tensor.ptr))
+
+    def close(self) -> None:
+        if self._ptr is not None and self._ptr != ffi.NULL:
+            load().ggml_backend_free(self._ptr)
+        self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class Tensor:
+    """A ggml tensor node of a Graph (a thin handle on the C struct)."""
+
+    graph: "Graph"
+    ptr: object
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        """Shape in ggml order, all four dims."""
+        return tuple(int(x) for x in self.ptr.ne)
+
+    @property
+    def nb(self) -> tuple[int, ...]:
+        """Strides in bytes, ggml order."""
+        return tuple(int(x) for x in self.ptr.nb)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _NP_TYPES[int(self.ptr.type)]
+
+    @property
+    def op(self) -> int:
+        return int(self.ptr.op)
+
+    @property
+    def op_name(self) -> str:
+        return ffi.string(load().ggml_op_name(self.ptr.op)).decode()
+
+    def is_contiguous(self) -> bool:
+        return bool(load().ggml_is_contiguous(self.ptr))
+
+
+def ggml_shape(array_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy shape (slowest first) -> ggml ne (fastest first), padded with 1 to four dims."""
+    if len(array_shape) > GGML_MAX_DIMS:
+        raise ValueError(f"ggml tensors have at most {GGML_MAX_DIMS} dims, got shape {array_shape}")
+    ne = tuple(reversed(array_shape))
+    return ne + (1,) * (GGML_MAX_DIMS - len(ne))
+
+
+class Graph:
+    """One context + one compute graph (with gradients) + one allocator on a Backend.
+
+    Build with ``input``/``param`` and the op methods (or hotggml.ops), then ``build(outputs,
+    loss)``, then either ``arena_bytes()`` (reserve only) or ``compute()`` and ``read``/``grad``.
+    """
+
+    def __init__(self, backend: Backend, max_nodes: int = 16384):
+        self.lib = load()
+        self.backend = backend
+        self.max_nodes = max_nodes
+        mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
+        self.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
+        if self.ctx == ffi.NULL:
+            raise MemoryError("ggml_init failed")
+        self.gf = None
+        self._galloc = None
+        self._uploads: list[tuple[Tensor, np.ndarray]] = []
+        self._loss: Tensor | None = None
+
+    # -- leaves -------------------------------------------------------------------------
+    def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None) -> Tensor:
+        """An uninitialised tensor of shape ne (ggml order); dtype float32 or float16."""
+        dtype = np.dtype(dtype)
+        if dtype not in _GGML_TYPES:
+            raise TypeError(f"unsupported dtype {dtype}: use float32 or float16")
+        if not 1 <= len(ne) <= GGML_MAX_DIMS or any(int(n) < 1 for n in ne):
+            raise ValueError(f"bad shape {ne}: 1 to 4 positive dims in ggml order")
+        ne_c = ffi.new("int64_t[4]", [int(n) for n in ne] + [1] * (GGML_MAX_DIMS - len(ne)))
+        ptr = self.lib.ggml_new_tensor(self.ctx, _GGML_TYPES[dtype], GGML_MAX_DIMS, ne_c)
+        if name:
+            self.lib.ggml_set_name(ptr, name.encode()[:63])
+        return Tensor(self, ptr)
+
+    def input(self, array: np.ndarray, name: str | None = None, dtype=None) -> Tensor:
+        """A leaf holding ``array`` (uploaded at compute time); NumPy shape (.., slowest) -> ggml reversed."""
+        array = np.asarray(array)
+        dtype = np.dtype(dtype or array.dtype)
+        if dtype not in _GGML_TYPES:
+            raise TypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
+        t = self.new_tensor(ggml_shape(array.shape), dtype, name)
+        self.lib.ggml_set_input(t.ptr)
+        self._uploads.append((t, np.ascontiguousarray(array, dtype=dtype)))
+        return t
+
+    def param(self, array: np.ndarray, name: str | None = None) -> Tensor:
+        """An f32 input that gets a gradient (ggml_set_param)."""
+        t = self.input(np.asarray(array, dtype=np.float32), name)
+        self.lib.ggml_set_param(t.ptr)
+        return t
+
+    # -- generic ops used by the exact chain and losses -----------------------------------
+    def _wrap(self, ptr) -> Tensor:
+        return Tensor(self, ptr)
+
+    def permute(self, t: Tensor, *axes: int) -> Tensor:
+        """ggml_permute: axes[i] is where source dim i goes."""
+        if sorted(axes) != [0, 1, 2, 3]:
+            raise ValueError(f"permute needs a permutation of 0..3, got {axes}")
+        return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
+
+    def reshape(self, t: Tensor, ne: tuple[int, int, int, int]) -> Tensor:
+        if not t.is_contiguous():
+            raise ValueError("reshape needs a contiguous tensor: cont() it first")
+        if int(np.prod(ne)) != int(np.prod(t.ne)):
+            raise ValueError(f"reshape {t.ne} -> {ne} changes the element count")
+        return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *ne))
+
+    def cont(self, t: Tensor) -> Tensor:
+        return self._wrap(self.lib.ggml_cont(self.ctx, t.ptr))
+
+    def repeat(self, t: Tensor, like: Tensor) -> Tensor:
+        if any(b % a for a, b in zip(t.ne, like.ne)):
+            raise ValueError(f"repeat {t.ne} -> {like.ne}: target dims must be multiples")
+        return self._wrap(self.lib.ggml_repeat(self.ctx, t.ptr, like.ptr))
+
+    def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
+        """ggml_mul_mat(a, b) = b a^T per matrix: [K, M] x [K, N] -> [M, N]."""
+        if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
+            raise ValueError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
+        return self._wrap(self.lib.ggml_mul_mat(self.ctx, a.ptr, b.ptr))
+
+    def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        return self._wrap(self.lib.ggml_soft_max_ext(self.ctx, a.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
+
+    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        if a.ne != b.ne:
+            raise ValueError(f"mul shapes differ: {a.ne} vs {b.ne}")
+        return self._wrap(self.lib.ggml_mul(self.ctx, a.ptr, b.ptr))
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        if a.ne != b.ne:
+            raise ValueError(f"add shapes differ: {a.ne} vs {b.ne}")
+        return self._wrap(self.lib.ggml_add(self.ctx, a.ptr, b.ptr))
+
+    def sum(self, a: Tensor) -> Tensor:
+        return self._wrap(self.lib.ggml_sum(self.ctx, a.ptr))
+
+    def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
+        """Scalar loss L = sum_i sum(t_i * w_i) with constant w_i, so dL/dt_i = w_i (seeded loss gradients)."""
+        loss = None
+        for t, w in outputs:
+            w = np.asarray(w, dtype=np.float32)
+            if ggml_shape(w.shape) != t.ne:
+                raise ValueError(f"loss weight shape {w.shape} does not match tensor {t.ne}")
+            term = self.sum(self.mul(self.cont(t) if not t.is_contiguous() else t, self.input(w, "loss weight")))
+            loss = term if loss is None else self.add(loss, term)
+        return loss
+
+    # -- graph ----------------------------------------------------------------------------
+    def build(self, outputs: list[Tensor], loss: Tensor | None = None) -> None:
+        """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
+        self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
+        for t in outputs:
+            self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)
+            self.lib.ggml_set_output(t.ptr)
+            self.lib.ggml_build_forward_expand(self.gf, t.ptr)
+        if loss is not None:
+            if loss.ne != (1, 1, 1, 1):
+                raise ValueError(f"loss must be a scalar, got {loss.ne}")
+            self.lib.ggml_set_loss(loss.ptr)
+            self.lib.ggml_set_output(loss.ptr)
+            self.lib.ggml_build_forward_expand(self.gf, loss.ptr)
+            self.lib.ggml_build_backward_expand(self.ctx, self.gf, ffi.NULL)
+            self._loss = loss
+            for t, _ in self._uploads:
+                g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
+                if g != ffi.NULL:
+                    self.lib.ggml_set_output(g)
+                    self.lib.ggml_build_forward_expand(self.gf, g)
+
+    def nodes(self) -> list[Tensor]:
+        self._need_graph()
+        return [Tensor(self, self.lib.ggml_graph_node(self.gf, i)) for i in range(self.lib.ggml_graph_n_nodes(self.gf))]
+
+    def _need_graph(self) -> None:
+        if self.gf is None:
+            raise RuntimeError("call build() first")
+
+    def _new_allocator(self):
+        buft = self.lib.ggml_backend_get_default_buffer_type(self.backend._ptr)
+        return ffi.gc(self.lib.ggml_gallocr_new(buft), self.lib.ggml_gallocr_free)
+
+    def arena_bytes(self) -> int:
+        """Bytes the graph allocator needs for this graph on the backend (measured, nothing allocated)."""
+        self._need_graph()
+        sizes = ffi.new("size_t[1]")
+        # a throw-away allocator: one that measured without allocating cannot allocate afterwards
+        self.lib.ggml_gallocr_reserve_n_size(self._new_allocator(), self.gf, ffi.NULL, ffi.NULL, sizes)
+        return int(sizes[0])
+
+    def unsupported_nodes(self) -> list[str]:
+        """Nodes the backend's supports_op refuses ('' list when all run there)."""
+        return [f"{t.op_name} {t.ne}" for t in self.nodes() if not self.backend.supports_op(t)]
+
+    def compute(self) -> None:
+        """Allocate, upload inputs, seed dL/dL = 1, compute on the backend (never on another one).
+
+        Raises BackendError if a node is not supported by the backend (ggml would otherwise abort).
+        """
+        self._need_graph()
+        refused = self.unsupported_nodes()
+        if refused:
+            raise BackendError(f"{self.backend.device_name} does not support: {', '.join(refused[:5])}")
+        if self._galloc is None:
+            self._galloc = self._new_allocator()
+        if not self.lib.ggml_gallocr_alloc_graph(self._galloc, self.gf):
+            raise MemoryError("graph allocation failed on " + self.backend.device_name)
+        for t, arr in self._uploads:
+            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
+        if self._loss is not None:
+            g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
+            one = np.ones(1, dtype=np.float32)
+            self.lib.ggml_backend_tensor_set(g, ffi.from_buffer(one), 0, 4)
+        status = self.lib.ggml_backend_graph_compute(self.backend._ptr, self.gf)
+        if status != 0:
+            raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured)."""
+        ne, nb = t.ne, t.nb
+        itemsize = np.dtype(t.dtype).itemsize
+        span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))
+        raw = np.empty(span, dtype=np.uint8)
+        self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(raw), 0, span)
+        view = np.lib.stride_tricks.as_strided(raw.view(t.dtype) if span % itemsize == 0 else raw[: span - span % itemsize].view(t.dtype),
+                                               shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+        return np.array(view, copy=True)
+
+    def grad(self, t: Tensor) -> np.ndarray | None:
+        """dL/dt in t's logical shape, or None if t got no gradient (ggml may hand back a strided view)."""
+        self._need_graph()
+        g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
+        if g == ffi.NULL:
+            return None
+        return self.read(Tensor(self, g))
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self._galloc = None
+            self.lib.ggml_free(self.ctx)
+            self.ctx = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,105 @@
+"""Thin, validated wrappers for the fused flash-attention training ops (SPEC §4).
+
+Every check that ggml would make with GGML_ASSERT (which kills the interpreter) is made here
+first and raises ValueError (shapes) or TypeError (dtypes) naming the argument.
+
+Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B] (f32, any
+strides with nb[0] == 4), mask [Skv, S', 1, 1 or B] f16 contiguous with S' >= S, or None.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hotggml.ffi import ffi
+from hotggml.graph import Graph, Tensor
+
+PREC = {"default": 0, "f32": 10}  # enum ggml_prec: GGML_PREC_DEFAULT (TF32 on CUDA sm_80+), GGML_PREC_F32
+PREC_NAME = {v: k for k, v in PREC.items()}
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
+    """Raise TypeError/ValueError unless q, k, v, mask satisfy the op contract (SPEC §4)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if t.nb[0] != 4:
+            raise ValueError(f"{name} rows must be contiguous (nb[0] == 4), got nb {t.nb}")
+    D, S, Nh, B = q.ne
+    if k.ne[0] != D:
+        raise ValueError(f"k: D = {k.ne[0]} differs from q's D = {D}")
+    if v.ne[1:3] != k.ne[1:3]:
+        raise ValueError(f"v: [Skv, Nkv] = {v.ne[1:3]} differs from k's {k.ne[1:3]}")
+    if Nh % k.ne[2]:
+        raise ValueError(f"GQA needs Nh % Nkv == 0, got Nh = {Nh}, Nkv = {k.ne[2]}")
+    if k.ne[3] != B or v.ne[3] != B:
+        raise ValueError(f"batch differs: q {B}, k {k.ne[3]}, v {v.ne[3]}")
+    if mask is not None:
+        if mask.dtype != np.float16:
+            raise TypeError(f"mask must be float16, got {mask.dtype}")
+        if not mask.is_contiguous():
+            raise ValueError("mask must be contiguous")
+        Skv = k.ne[1]
+        if mask.ne[0] != Skv or mask.ne[1] < S or mask.ne[2] != 1 or mask.ne[3] not in (1, B):
+            raise ValueError(f"mask must be [Skv={Skv}, S'>={S}, 1, 1 or {B}], got {mask.ne}")
+
+
+def _set_prec(t: Tensor, prec: str) -> None:
+    if prec not in PREC:
+        raise ValueError(f"precision must be one of {sorted(PREC)}, got {prec!r}")
+    t.graph.lib.ggml_flash_attn_train_set_prec(t.ptr, PREC[prec])
+
+
+def get_prec(t: Tensor) -> str:
+    """Requested precision of a flash_attn_train(_back) node: 'default' or 'f32'."""
+    return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
+
+
+def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                     prec: str = "default") -> Tensor:
+    """Packed forward: O [Dv, Nh, S, B] at 0 and LSE [Nh, S, B] after it (views: get_o, get_lse).
+
+    LSE_i = log sum_j exp(scale*q_i.k_j + mask_ij) (natural log). prec: 'default' or 'f32'.
+    """
+    check_attention_inputs(q, k, v, mask)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
+    _set_prec(t, prec)
+    return t
+
+
+def get_o(fwd: Tensor) -> Tensor:
+    """View O [Dv, Nh, S, B] of a packed forward."""
+    return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_o(fwd.graph.ctx, fwd.ptr))
+
+
+def get_lse(fwd: Tensor) -> Tensor:
+    """View LSE [Nh, S, B] of a packed forward."""
+    return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_lse(fwd.graph.ctx, fwd.ptr))
+
+
+def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
+    """Packed fused backward dQ | dK | dV of a forward node; d is dO [Dv, Nh, S, B] or the packed gradient.
+
+    Precision and scale are copied from fwd. Views: get_dq, get_dk, get_dv.
+    """
+    q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
+    if d.dtype != np.float32 or not d.is_contiguous():
+        raise TypeError("d must be contiguous float32")
+    o_ne = get_o(fwd).ne
+    if d.ne != o_ne and d.ne != fwd.ne:
+        raise ValueError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
+    return Tensor(g, g.lib.ggml_flash_attn_train_back(g.ctx, q, k, v, mask, fwd.ptr, d.ptr))
+
+
+def get_dq(back: Tensor) -> Tensor:
+    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dq(back.graph.ctx, back.ptr))
+
+
+def get_dk(back: Tensor) -> Tensor:
+    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dk(back.graph.ctx, back.ptr))
+
+
+def get_dv(back: Tensor) -> Tensor:
+    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dv(back.graph.ctx, back.ptr))

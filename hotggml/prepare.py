@@ -1,0 +1,31 @@
+"""Fetch the pin and apply the series: the patched ggml tree a build starts from.
+
+Used by ``hotggml build`` and, through ``python -m hotggml prepare --json``, by CMakeLists.txt
+when ``pip install .`` builds the package (scikit-build-core).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hotggml import patches, pin
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A patched tree ready to build: where it is, the upstream pin commit, and the series hash."""
+
+    source_dir: Path
+    pin: str
+    series_hash: str
+
+
+def prepare() -> Prepared:
+    """Materialize + verify the pin (hotggml.pin.fetch), then apply the series (hotggml.patches.apply).
+
+    Raises PinError / PatchError with messages that say what to do.
+    """
+    pin.fetch()
+    applied = patches.apply()
+    return Prepared(applied.tree, pin.UPSTREAM_COMMIT, applied.series_hash)
