@@ -8,6 +8,7 @@ size is the memory the graph needs there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,6 +248,10 @@ class Graph:
                     self.lib.ggml_set_output(g)
                     self.lib.ggml_build_forward_expand(self.gf, g)
 
+    def find_nodes(self, op: int) -> list[Tensor]:
+        """Graph nodes whose op is ``op`` (an enum ggml_op value)."""
+        return [t for t in self.nodes() if t.op == op]
+
     def nodes(self) -> list[Tensor]:
         self._need_graph()
         return [Tensor(self, self.lib.ggml_graph_node(self.gf, i)) for i in range(self.lib.ggml_graph_n_nodes(self.gf))]
@@ -271,10 +276,12 @@ class Graph:
         """Nodes the backend's supports_op refuses ('' list when all run there)."""
         return [f"{t.op_name} {t.ne}" for t in self.nodes() if not self.backend.supports_op(t)]
 
-    def compute(self) -> None:
+    def compute(self, poison: list[Tensor] = ()) -> float:
         """Allocate, upload inputs, seed dL/dL = 1, compute on the backend (never on another one).
 
-        Raises BackendError if a node is not supported by the backend (ggml would otherwise abort).
+        ``poison``: tensors filled with NaN (0xFF bytes) before compute, so that anything the
+        kernel leaves unwritten shows up. Raises BackendError if a node is not supported by the
+        backend (ggml would otherwise abort). Returns the seconds ggml_backend_graph_compute took.
         """
         self._need_graph()
         refused = self.unsupported_nodes()
@@ -290,9 +297,15 @@ class Graph:
             g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
             one = np.ones(1, dtype=np.float32)
             self.lib.ggml_backend_tensor_set(g, ffi.from_buffer(one), 0, 4)
+        for t in poison:
+            self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
+        t0 = time.perf_counter()
         status = self.lib.ggml_backend_graph_compute(self.backend._ptr, self.gf)
+        self.lib.ggml_backend_synchronize(self.backend._ptr)
+        seconds = time.perf_counter() - t0
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
+        return seconds
 
     def read(self, t: Tensor) -> np.ndarray:
         """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured)."""

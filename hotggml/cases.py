@@ -1,0 +1,150 @@
+"""Attention cases: shapes in the field's terms and the masks they use (SPEC §6, §7).
+
+A Case is a frozen record with a stable id (the pytest id and the ``-p`` filter target).
+Correctness sets (``smoke``, ``real``) and perf sets are separate registries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MASKS = ("none", "causal", "band", "padding", "bias")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention geometry. B batch, Nh query heads, Nkv kv heads, D (and Dv) head dims,
+    S queries, Skv keys; mask one of MASKS; band half-width for 'band'; pad_keys masked keys
+    at the end (per batch b: pad_keys + b) for 'padding'; masked_rows query rows made fully
+    -INF; mask_rows_extra adds rows to the mask beyond S (S' > S); q_view builds q as a
+    permuted, non-contiguous view; lse_loss adds LSE to the loss (checks the dLSE path)."""
+
+    name: str
+    B: int = 1
+    Nh: int = 1
+    Nkv: int = 1
+    D: int = 64
+    S: int = 16
+    Skv: int = 16
+    Dv: int | None = None
+    mask: str = "none"
+    band: int = 128
+    pad_keys: int = 0
+    mask_per_batch: bool = False
+    masked_rows: tuple[int, ...] = ()
+    mask_rows_extra: int = 0
+    q_view: bool = False
+    lse_loss: bool = False
+    seed: int = 0
+    tags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.mask not in MASKS:
+            raise ValueError(f"case {self.name}: mask must be one of {MASKS}, got {self.mask!r}")
+        if self.Nh % self.Nkv:
+            raise ValueError(f"case {self.name}: Nh % Nkv != 0")
+        if any(r >= self.S for r in self.masked_rows):
+            raise ValueError(f"case {self.name}: masked row beyond S")
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def dv(self) -> int:
+        return self.Dv or self.D
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / float(np.sqrt(self.D))
+
+    @property
+    def shape(self) -> str:
+        return (f"B{self.B} Nh{self.Nh} Nkv{self.Nkv} D{self.D}" + (f" Dv{self.dv}" if self.Dv else "") +
+                f" S{self.S} Skv{self.Skv} {self.mask}")
+
+    def has_mask(self) -> bool:
+        return self.mask != "none" or bool(self.masked_rows)
+
+    def mask_array(self) -> np.ndarray | None:
+        """Additive mask, float16 (Bm, S', Skv) with Bm in {1, B}, or None; -inf where masked."""
+        if not self.has_mask():
+            return None
+        rng = np.random.default_rng(self.seed + 1000)
+        Bm = self.B if (self.mask_per_batch or self.mask == "padding") else 1
+        S2 = self.S + self.mask_rows_extra
+        i = np.arange(S2)[:, None]
+        j = np.arange(self.Skv)[None, :]
+        m = np.zeros((Bm, S2, self.Skv), dtype=np.float32)
+        if self.mask == "causal":
+            # query i sees keys j <= i + Skv - S (the causal tail when Skv > S)
+            m[:, j > i + (self.Skv - self.S)] = -np.inf
+        elif self.mask == "band":
+            m[:, np.abs(i - j) > self.band] = -np.inf
+        elif self.mask == "padding":
+            for b in range(Bm):
+                n_pad = self.pad_keys + b
+                if n_pad:
+                    m[b, :, self.Skv - n_pad:] = -np.inf
+        elif self.mask == "bias":
+            m[:] = rng.uniform(-3.0, 3.0, size=m.shape)
+            if self.mask_per_batch:
+                m[:, :, 0] = -np.inf  # a masked key column in a finite-bias mask
+        for r in self.masked_rows:
+            m[:, r, :] = -np.inf
+        return m.astype(np.float16)
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        """Seeded f32 inputs in NumPy (batch-first) layout and the loss weights (dO, dLSE)."""
+        rng = np.random.default_rng(self.seed)
+        B, Nh, Nkv, S, Skv, D, Dv = self.B, self.Nh, self.Nkv, self.S, self.Skv, self.D, self.dv
+        out = {
+            "q": rng.standard_normal((B, Nh, S, D), dtype=np.float32),
+            "k": rng.standard_normal((B, Nkv, Skv, D), dtype=np.float32),
+            "v": rng.standard_normal((B, Nkv, Skv, Dv), dtype=np.float32),
+            # dO in the O layout of the op, [Dv, Nh, S, B] -> NumPy (B, S, Nh, Dv)
+            "do": rng.standard_normal((B, S, Nh, Dv), dtype=np.float32),
+            "dlse": rng.standard_normal((B, S, Nh), dtype=np.float32) if self.lse_loss else None,
+        }
+        return out
+
+
+SMOKE = [
+    Case("tiny", D=4, S=2, Skv=3),  # S = Skv = 1 has a constant softmax: dQ = dK = 0, a vacuous case
+    Case("odd-causal-cross", Nh=3, Nkv=3, D=5, Dv=7, S=13, Skv=29, mask="causal", mask_rows_extra=3),
+    Case("gqa-band", Nh=4, Nkv=2, D=8, S=33, Skv=65, mask="band", band=5),
+    Case("mqa-causal", Nh=4, Nkv=1, D=16, S=20, Skv=20, mask="causal"),
+    Case("q-view-bias", Nh=2, Nkv=1, D=12, S=17, Skv=23, mask="bias", q_view=True),
+    Case("batch-padding-cross", B=2, Nh=4, Nkv=2, D=16, S=24, Skv=40, mask="padding", pad_keys=3),
+    Case("batch-bias-per-batch", B=2, Nh=2, Nkv=2, D=8, S=9, Skv=11, mask="bias", mask_per_batch=True),
+    Case("masked-rows", Nh=2, Nkv=1, D=8, S=19, Skv=21, mask="bias", masked_rows=(0, 7, 18)),
+    Case("tiles", B=2, Nh=2, Nkv=1, D=32, S=70, Skv=150, mask="band", band=40, q_view=True),
+    Case("lse-loss", Nh=4, Nkv=2, D=16, S=21, Skv=35, mask="causal", lse_loss=True),
+    Case("no-mask-gqa", B=2, Nh=6, Nkv=3, D=24, S=31, Skv=47),
+]
+
+# SPEC §7 shapes that fit the CPU
+REAL = [
+    Case("dit-self-window-625", Nh=16, Nkv=8, D=128, S=625, Skv=625, mask="band", band=128),
+    Case("dit-self-window-1250", Nh=16, Nkv=8, D=128, S=1250, Skv=1250, mask="band", band=128),
+    Case("dit-self-full-625", Nh=16, Nkv=8, D=128, S=625, Skv=625),
+    Case("dit-self-full-1250", Nh=16, Nkv=8, D=128, S=1250, Skv=1250),
+    Case("dit-cross-1250x1877", Nh=16, Nkv=8, D=128, S=1250, Skv=1877, mask="padding", pad_keys=200),
+    Case("lm-causal-1024", Nh=16, Nkv=8, D=128, S=1024, Skv=1024, mask="causal"),
+]
+
+SETS = {"smoke": SMOKE, "real": REAL}
+
+
+def select(set_names: list[str], pattern: str | None = None) -> list[Case]:
+    """Cases of the named sets whose id matches the regex ``pattern`` (all when None)."""
+    import re
+
+    out = []
+    for name in set_names:
+        if name not in SETS:
+            raise ValueError(f"unknown case set {name!r}: choose from {sorted(SETS)}")
+        out += [c for c in SETS[name] if pattern is None or re.search(pattern, c.id)]
+    return out

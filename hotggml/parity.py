@@ -1,0 +1,316 @@
+"""Parity of the fused attention training ops against two independent references (SPEC §6).
+
+Arms, each at the same case:
+  fused   ggml_flash_attn_train (+ its autodiff backward) on the requested backend
+  chain   mul_mat -> soft_max_ext -> mul_mat differentiated by ggml's autodiff (GQA heads expanded)
+  oracle  float64 NumPy (hotggml.oracle, which imports nothing of ours)
+O, LSE, dQ, dK, dV are compared separately as worst relative error
+``max|x - ref| / max(max|ref|, floor)``. The loss is L = sum(O * dO) (+ sum(LSE * dLSE)) with
+seeded dO, and dL/dL is seeded with 1.0; a zero reference gradient fails the case (vacuous).
+Fully masked query rows are checked directly (O = LSE = dQ = 0 exactly) and excluded from the
+chain (soft_max_ext gives NaN there); fully masked key columns must give dK = dV = 0 exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from hotggml import ops, oracle
+from hotggml.cases import Case
+from hotggml.errors import BackendError
+from hotggml.ffi import library_info
+from hotggml.graph import Backend, Graph
+
+BARS = {"f32": 1e-4, "tf32": 5e-3}
+FLOOR = 1e-5
+OUTPUTS = ("O", "LSE", "dQ", "dK", "dV")
+OP_FLASH_ATTN_TRAIN = 97       # enum ggml_op values the flash-attn-train patch appends (hotggml.ffi cdef)
+OP_FLASH_ATTN_TRAIN_BACK = 98
+
+
+def rel_err(x: np.ndarray, ref: np.ndarray, floor: float = FLOOR) -> float:
+    """max|x - ref| / max(max|ref|, floor); inf when x has NaN/Inf where ref is finite."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise ValueError(f"shape mismatch {x.shape} vs {ref.shape}")
+    if x.size == 0:
+        return 0.0
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    return float(np.max(np.abs(x - ref)) / max(float(np.max(np.abs(ref))), floor))
+
+
+@dataclass
+class ArmResult:
+    """Values of one arm in the oracle's layouts: o (B,Nh,S,Dv), lse (B,Nh,S), dq/dk/dv like q/k/v."""
+
+    o: np.ndarray
+    lse: np.ndarray | None
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    lse_gap_zero: bool = True
+    seconds: float = 0.0
+
+
+@dataclass
+class CaseResult:
+    """One record per case: what ran where, errors per output per reference, and the verdict."""
+
+    case: str
+    shape: str
+    backend: str
+    precision: str
+    pin: str
+    series_hash: str
+    threads: list
+    errors: dict = field(default_factory=dict)       # "fused~oracle" -> {output: err}
+    checks: dict = field(default_factory=dict)       # named exact checks -> bool
+    bar: float = 0.0
+    passed: bool = False
+    failures: list = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+
+
+def _o_layout(o_ggml: np.ndarray) -> np.ndarray:
+    """O read from ggml [Dv, Nh, S, B] (NumPy (B, S, Nh, Dv)) -> oracle (B, Nh, S, Dv)."""
+    return o_ggml.transpose(0, 2, 1, 3)
+
+
+def _leaf_q(g: Graph, case: Case, q: np.ndarray):
+    """q as a param; for q_view, the param is (B, S, Nh, D) and q a permuted non-contiguous view of it."""
+    if not case.q_view:
+        t = g.param(q, "q")
+        return t, t
+    base = g.param(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), "q_base")  # ggml [D, Nh, S, B]
+    view = g.permute(base, 0, 2, 1, 3)                                          # ggml [D, S, Nh, B]
+    assert not view.is_contiguous()
+    return base, view
+
+
+def _q_grad(g: Graph, case: Case, leaf) -> np.ndarray:
+    grad = g.grad(leaf)
+    return grad.transpose(0, 2, 1, 3) if case.q_view else grad
+
+
+@dataclass
+class FusedGraph:
+    """Handles of a built fused fwd+bwd graph."""
+
+    q_leaf: object
+    k: object
+    v: object
+    fwd: object
+    o: object
+    lse: object
+    fused_nodes: list
+
+
+def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
+    """Fused forward + autodiff backward of L = sum(O*dO) (+ sum(LSE*dLSE)) at the case's shape."""
+    x = case.inputs()
+    mask = case.mask_array()
+    q_leaf, q = _leaf_q(g, case, x["q"])
+    k, v = g.param(x["k"], "k"), g.param(x["v"], "v")
+    m = g.input(mask[:, None], "mask") if mask is not None else None
+    fwd = ops.flash_attn_train(g, q, k, v, m, case.scale, prec)
+    o, lse = ops.get_o(fwd), ops.get_lse(fwd)
+    terms = [(o, x["do"])] + ([(lse, x["dlse"])] if case.lse_loss else [])
+    g.build([o, lse], g.dot_loss(terms))
+    fused = g.find_nodes(OP_FLASH_ATTN_TRAIN) + g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK)
+    if len(fused) != 2:
+        raise BackendError(f"expected one fused forward and one fused backward node, found {len(fused)}")
+    return FusedGraph(q_leaf, k, v, fwd, o, lse, fused)
+
+
+def run_fused(case: Case, backend: Backend, prec: str = "default") -> ArmResult:
+    """Fused forward + autodiff backward on ``backend``; poisons the fused outputs before compute."""
+    with Graph(backend) as g:
+        h = build_fused(g, case, prec)
+        secs = g.compute(poison=h.fused_nodes)
+        packed = g.read(h.fwd).reshape(-1)
+        n_o = int(np.prod(h.o.ne))
+        lse_offs = h.lse.ptr.view_offs // 4
+        return ArmResult(
+            o=_o_layout(g.read(h.o)), lse=g.read(h.lse)[0].transpose(0, 2, 1),
+            dq=_q_grad(g, case, h.q_leaf), dk=g.grad(h.k), dv=g.grad(h.v),
+            lse_gap_zero=bool(np.all(packed[n_o:lse_offs] == 0)), seconds=secs)
+
+
+def _expand_gqa(g: Graph, t, Nh: int):
+    """[d, Skv, Nkv, B] -> [d, Skv, Nh, B] with head h reading kv head h // (Nh/Nkv) (repeat, not tile)."""
+    d, skv, nkv, b = t.ne
+    if nkv == Nh:
+        return t
+    flat = g.reshape(t, (d * skv, 1, nkv, b))
+    rep = g.repeat(flat, g.new_tensor((d * skv, Nh // nkv, nkv, b)))
+    return g.reshape(rep, (d, skv, Nh, b))
+
+
+@dataclass
+class ChainGraph:
+    q_leaf: object
+    k: object
+    v: object
+    o: object
+
+
+def build_chain(g: Graph, case: Case) -> ChainGraph:
+    """Exact chain mul_mat -> soft_max_ext -> mul_mat, differentiated by ggml's autodiff.
+
+    Fully masked rows are unmasked for the chain and their dO rows zeroed (soft_max_ext gives NaN
+    there); they are excluded from O/dQ diffs, and contribute nothing to dK/dV either way.
+    """
+    x = case.inputs()
+    mask = case.mask_array()
+    do = x["do"].copy()
+    if mask is not None:
+        dead = oracle.masked_rows(mask, case.B, case.S)
+        if dead.any():
+            mask = mask.copy()
+            for b, i in zip(*np.nonzero(dead)):
+                mask[b if mask.shape[0] > 1 else 0, i, :] = 0
+                do[b, i] = 0
+    q_leaf, q = _leaf_q(g, case, x["q"])
+    k, v = g.param(x["k"], "k"), g.param(x["v"], "v")
+    m = g.input(mask[:, None], "mask") if mask is not None else None
+    ke = _expand_gqa(g, k, case.Nh)
+    ve = _expand_gqa(g, v, case.Nh)
+    kq = g.mul_mat(ke, q)                                   # [Skv, S, Nh, B]
+    p = g.soft_max_ext(kq, m, case.scale)
+    vt = g.cont(g.permute(ve, 1, 0, 2, 3))                  # [Skv, Dv, Nh, B]
+    kqv = g.mul_mat(vt, p)                                  # [Dv, S, Nh, B]
+    o = g.cont(g.permute(kqv, 0, 2, 1, 3))                  # [Dv, Nh, S, B]
+    g.build([o], g.dot_loss([(o, do)]))
+    return ChainGraph(q_leaf, k, v, o)
+
+
+def run_chain(case: Case, backend: Backend) -> ArmResult:
+    """The exact chain on ``backend`` (see build_chain)."""
+    with Graph(backend) as g:
+        h = build_chain(g, case)
+        secs = g.compute()
+        return ArmResult(o=_o_layout(g.read(h.o)), lse=None, dq=_q_grad(g, case, h.q_leaf),
+                         dk=g.grad(h.k), dv=g.grad(h.v), seconds=secs)
+
+
+def run_oracle(case: Case) -> ArmResult:
+    x = case.inputs()
+    mask = case.mask_array()
+    m = None if mask is None else mask
+    t0 = time.perf_counter()
+    o, lse = oracle.attention_forward(x["q"], x["k"], x["v"], m, case.scale)
+    dlse = None if x["dlse"] is None else x["dlse"].transpose(0, 2, 1)
+    dq, dk, dv = oracle.attention_backward(x["q"], x["k"], x["v"], m, case.scale,
+                                           x["do"].transpose(0, 2, 1, 3), dlse)
+    return ArmResult(o=o, lse=lse, dq=dq, dk=dk, dv=dv, seconds=time.perf_counter() - t0)
+
+
+def _compare(arm: ArmResult, ref: ArmResult, live: np.ndarray, grads: bool = True) -> dict[str, float]:
+    """Errors per output over live (not fully masked) rows; LSE only when both arms have it;
+    gradients only when both arms differentiated the same loss (``grads``)."""
+    live_o = live[:, None, :]  # (B, 1, S) broadcast over heads
+    errs = {"O": rel_err(np.where(live_o[..., None], arm.o, 0), np.where(live_o[..., None], ref.o, 0))}
+    if grads:
+        errs["dQ"] = rel_err(np.where(live_o[..., None], arm.dq, 0), np.where(live_o[..., None], ref.dq, 0))
+        errs["dK"] = rel_err(arm.dk, ref.dk)
+        errs["dV"] = rel_err(arm.dv, ref.dv)
+    if arm.lse is not None and ref.lse is not None:
+        errs["LSE"] = rel_err(np.where(live_o, arm.lse, 0), np.where(live_o, ref.lse, 0))
+    return errs
+
+
+def _exact_checks(case: Case, fused: ArmResult, ref: ArmResult) -> dict[str, bool]:
+    mask = case.mask_array()
+    checks = {"lse_gap_zero": fused.lse_gap_zero}
+    for name in ("dQ", "dK", "dV"):
+        checks[f"{name}_ref_nonzero"] = bool(np.max(np.abs(getattr(ref, name.lower()))) > 0)
+    if mask is None:
+        return checks
+    dead = oracle.masked_rows(mask, case.B, case.S)
+    if dead.any():
+        b, i = np.nonzero(dead)
+        checks["masked_rows_O_zero"] = bool(np.all(fused.o[b, :, i] == 0))
+        checks["masked_rows_LSE_zero"] = bool(np.all(fused.lse[b, :, i] == 0))
+        checks["masked_rows_dQ_zero"] = bool(np.all(fused.dq[b, :, i] == 0))
+    m = mask[:, : case.S]
+    dead_cols = np.all(np.isneginf(m.astype(np.float32)), axis=1)  # (Bm, Skv)
+    if dead_cols.any():
+        bm, j = np.nonzero(dead_cols)
+        bs = range(case.B) if mask.shape[0] == 1 else None
+        for b_m, jj in zip(bm, j):
+            for b in (bs if bs is not None else [b_m]):
+                checks.setdefault("masked_cols_dK_dV_zero", True)
+                ok = bool(np.all(fused.dk[b, :, jj] == 0) and np.all(fused.dv[b, :, jj] == 0))
+                checks["masked_cols_dK_dV_zero"] &= ok
+    return checks
+
+
+def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, prec: str = "f32",
+             with_chain: bool = True) -> CaseResult:
+    """All arms of one case; fused runs once per thread count (CPU) and must be bitwise identical."""
+    threads = threads or [None]
+    info = library_info()
+    resolved = resolved_precision(device, prec)
+    res = CaseResult(case.id, case.shape, device, resolved, info["pin"], info["series_hash"],
+                     threads=list(threads), bar=BARS[resolved])
+    ref = run_oracle(case)
+    res.seconds["oracle"] = ref.seconds
+    fused_runs = []
+    for n in threads:
+        with Backend(device, n_threads=n) as be:
+            fused_runs.append(run_fused(case, be, "f32" if prec == "f32" else "default"))
+    fused = fused_runs[0]
+    res.seconds["fused"] = fused.seconds
+    live = ~oracle.masked_rows(case.mask_array(), case.B, case.S)
+    res.errors["fused~oracle"] = _compare(fused, ref, live)
+    if with_chain:
+        with Backend(device, n_threads=threads[-1]) as be:
+            chain = run_chain(case, be)
+        res.seconds["chain"] = chain.seconds
+        # the chain has no LSE: with an LSE term in the loss only its O is comparable
+        res.errors["chain~oracle"] = _compare(chain, ref, live, grads=not case.lse_loss)
+        res.errors["fused~chain"] = _compare(fused, chain, live, grads=not case.lse_loss)
+    res.checks = _exact_checks(case, fused, ref)
+    if len(fused_runs) > 1:
+        res.checks["bitwise_across_threads"] = all(
+            all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))
+            for a in fused_runs[1:])
+    res.failures = [f"{arm} {out} {err:.2e} > {res.bar:.0e}" for arm, errs in res.errors.items()
+                    if arm != "chain~oracle" for out, err in errs.items() if not err <= res.bar]
+    # the chain is a reference too: it must itself agree with the oracle at the f32 bar
+    res.failures += [f"chain~oracle {out} {err:.2e} > {BARS['f32']:.0e}"
+                     for out, err in res.errors.get("chain~oracle", {}).items() if not err <= BARS["f32"]]
+    res.failures += [f"check {name} failed" for name, ok in res.checks.items() if not ok]
+    res.passed = not res.failures
+    return res
+
+
+def resolved_precision(device: str, prec: str) -> str:
+    """The precision that actually runs: the CPU has one f32 path; CUDA's default is TF32 (sm_80+)."""
+    if device.upper().startswith("CPU") or prec == "f32":
+        return "f32"
+    return "tf32"
+
+
+def table(results: list[CaseResult]) -> str:
+    """Fixed-width table: one line per case, worst fused~oracle error per output, checks, verdict."""
+    head = f"{'case':<24} {'shape':<44} {'prec':<5} " + " ".join(f"{o:>8}" for o in OUTPUTS) + f" {'chain':>8}  result"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        fo = r.errors.get("fused~oracle", {})
+        co = r.errors.get("chain~oracle", {})
+        chain_worst = max(co.values()) if co else float("nan")
+        cells = " ".join(f"{fo[o]:8.1e}" if o in fo else f"{'-':>8}" for o in OUTPUTS)
+        lines.append(f"{r.case:<24} {r.shape:<44} {r.precision:<5} {cells} {chain_worst:8.1e}  "
+                     + ("PASS" if r.passed else "FAIL: " + "; ".join(r.failures)))
+    return "\n".join(lines)
+
+
+def to_json(results: list[CaseResult]) -> str:
+    return json.dumps([asdict(r) for r in results], indent=1)

@@ -1,0 +1,591 @@
+"""The patch series: load it, apply it onto the pin as commits, check it, export it back.
+
+patches/series names the patches in order (one file a line, `#` comments allowed).
+Each patch is `git format-patch` output whose commit message carries trailers:
+
+    Patch-Name: <name>            equal to the file's stem
+    Marker: <path>: <string>      <string> must be in <path> once this patch is applied
+
+The patched work tree (WORK_DIR/ggml by default) is a clone of the pin with one
+commit per patch on branch `hotggml`; refs/tags/hotggml-pin marks the pin. Commit
+ids are deterministic (fixed committer, committer date = author date), and export
+uses fixed format-patch flags, so apply-then-export reproduces the files byte for byte.
+
+git's exit status is never taken as proof: after every patch the new commit must
+change the files the patch names, and its markers must be present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from hotggml import gitutil, paths, pin
+from hotggml.errors import PatchError
+
+SERIES_FILE = "series"
+SUFFIX = ".patch"
+WORK_BRANCH = "hotggml"
+COMMITTER = gitutil.Identity("hotggml", "hotggml@invalid", "")  # date: the patch's author date
+CONFIG_SERIES = "hotggml.serieshash"
+CONFIG_PIN = "hotggml.pin"
+CONFIG_HEAD = "hotggml.head"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_TRAILER_RE = re.compile(r"^(Patch-Name|Marker):[ \t]*(.*?)\s*$")
+# How `git am` names the file a hunk failed on (LC_ALL=C messages).
+_FAILED_RES = (re.compile(r"^error: patch failed: (.+):\d+$"),
+               re.compile(r"^error: (.+): (?:patch does not apply|does not exist in index|already exists "
+                          r"in (?:index|working directory)|No such file or directory)$"))
+
+APPLIED, NOT_APPLIED, STALE, NOT_IN_SERIES = "applied", "not applied", "stale", "not in series"
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A string that must exist in a file of the patched tree."""
+
+    path: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.text}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One entry of the series, parsed from its file."""
+
+    name: str
+    path: Path
+    subject: str
+    markers: tuple[Marker, ...]
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """A patched tree: where, on which pin, from which series, and the commit of each patch."""
+
+    tree: Path
+    pin_commit: str
+    series_hash: str
+    commits: tuple[tuple[str, str], ...]  # (patch name, commit id), in series order
+    already_applied: bool
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """State of one patch in a work tree: applied / not applied / stale / not in series."""
+
+    name: str
+    state: str
+    markers: tuple[tuple[Marker, bool], ...]
+
+    @property
+    def markers_ok(self) -> bool:
+        """True when every marker of the patch is present in the work tree."""
+        return all(present for _, present in self.markers)
+
+
+def default_tree() -> Path:
+    """Return the default patched work tree, WORK_DIR/ggml."""
+    return paths.work_dir() / "ggml"
+
+
+# -- the series -------------------------------------------------------------------------
+
+def check_lf(path: Path | str) -> None:
+    """Refuse a file containing a carriage return (CRLF line endings).
+
+    Raises PatchError naming the file and the first offending line.
+    """
+    data = Path(path).read_bytes()
+    lines = list(gitutil.iter_lines_with_cr(data))
+    if lines:
+        raise PatchError(f"{path} has CRLF line endings (first at line {lines[0]}): patches are LF only; "
+                         f"convert it (e.g. `sed -i 's/\\r$//' {path}`) and check your editor/git autocrlf setting")
+
+
+def series_entries(patches_dir: Path | str | None = None) -> list[str]:
+    """Return the file names listed in <patches_dir>/series, in order.
+
+    Raises PatchError when the series file is missing, has CRLF, or lists a name twice.
+    """
+    series = Path(patches_dir or paths.PATCHES_DIR) / SERIES_FILE
+    if not series.is_file():
+        raise PatchError(f"{series} does not exist: create it with one patch file name a line")
+    check_lf(series)
+    entries = []
+    for line in series.read_text(encoding="utf-8").splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if entry in entries:
+            raise PatchError(f"{series} lists {entry} twice: keep one line per patch")
+        entries.append(entry)
+    return entries
+
+
+def load_series(patches_dir: Path | str | None = None) -> list[Patch]:
+    """Parse every patch named by the series, in order.
+
+    Raises PatchError naming the file when one is missing, has CRLF, is not format-patch
+    output, has no or a wrong Patch-Name trailer, or declares no Marker.
+    """
+    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
+    return [parse_patch(patches_dir / entry) for entry in series_entries(patches_dir)]
+
+
+def parse_patch(path: Path | str) -> Patch:
+    """Parse one format-patch file into a Patch (see load_series for the errors raised)."""
+    path = Path(path)
+    if path.suffix != SUFFIX or not path.is_file():
+        raise PatchError(f"{path}: listed in the series but there is no such {SUFFIX} file")
+    check_lf(path)
+    data = path.read_bytes()
+    text = data.decode("utf-8")
+    if not text.startswith("From "):
+        raise PatchError(f"{path} is not `git format-patch` output: re-export it with `hotggml patches export`")
+    subject, body = _split_message(text)
+    name, markers = _trailers(body, path.name)
+    if name != path.stem:
+        raise PatchError(f"{path}: Patch-Name is {name!r} but the file is {path.name}: "
+                         f"they must match (rename the file or fix the trailer)")
+    return Patch(name, path, subject, markers, hashlib.sha256(data).hexdigest())
+
+
+def _split_message(text: str) -> tuple[str, list[str]]:
+    """Return (subject, body lines) of an mbox patch; the body stops where the diff starts."""
+    lines = text.split("\n")
+    subject, index = [], 1
+    while index < len(lines) and lines[index]:
+        line = lines[index]
+        if line.startswith("Subject:"):
+            subject = [line[len("Subject:"):].strip()]
+        elif subject and line[:1] in (" ", "\t"):  # folded header line
+            subject.append(line.strip())
+        index += 1
+    body = []
+    for line in lines[index + 1:]:
+        if line == "---" or line.startswith("diff --git "):
+            break
+        body.append(line)
+    return " ".join(subject), body
+
+
+def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...]]:
+    name, markers = None, []
+    for line in body:
+        match = _TRAILER_RE.match(line)
+        if not match:
+            continue
+        key, value = match.groups()
+        if key == "Patch-Name":
+            if name is not None:
+                raise PatchError(f"{where} has two Patch-Name trailers: keep one")
+            name = value
+        else:
+            markers.append(_parse_marker(value, where))
+    if not name:
+        raise PatchError(f"{where} has no `Patch-Name: <name>` trailer: add one to the commit message")
+    if not _NAME_RE.match(name):
+        raise PatchError(f"{where}: Patch-Name {name!r} is not a plain file stem (letters, digits, . _ -)")
+    if not markers:
+        raise PatchError(f"{where} declares no `Marker: <path>: <string>` trailer: add at least one "
+                         f"string the patch puts in the tree, so CI can tell it is applied")
+    return name, tuple(markers)
+
+
+def _parse_marker(value: str, where: str) -> Marker:
+    path, sep, text = value.partition(": ")
+    path = path.strip()
+    if not sep or not path or not text:
+        raise PatchError(f"{where}: marker {value!r} is not `Marker: <path>: <string>`")
+    if path.startswith("/") or ".." in path.split("/"):
+        raise PatchError(f"{where}: marker path {path!r} must be relative to the ggml tree")
+    return Marker(path, text)
+
+
+def series_hash(patches_dir: Path | str | None = None) -> str:
+    """Return the sha256 (hex) over the series file and every listed patch's bytes, in order.
+
+    It keys builds and is stamped into the library, so any byte change in the series
+    gives a new hash. Raises PatchError as series_entries does, or when a file is missing.
+    """
+    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
+    entries = series_entries(patches_dir)
+    digest = hashlib.sha256((patches_dir / SERIES_FILE).read_bytes())
+    for entry in entries:
+        path = patches_dir / entry
+        if not path.is_file():
+            raise PatchError(f"{path}: listed in the series but there is no such file")
+        data = path.read_bytes()
+        # Length-prefixed so that moving bytes between files changes the hash.
+        digest.update(f"\0{entry}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+# -- applying ---------------------------------------------------------------------------
+
+def apply_series(tree: Path | str, series: list[Patch]) -> list[tuple[str, str]]:
+    """Apply `series` as commits on top of HEAD of the repository at `tree`; return (name, sha) pairs.
+
+    The repository must be rooted at `tree` (git run in a folder without its own .git
+    would patch the parent repository or skip every hunk). Before each patch its target
+    files are checked for CRLF; after it, the new commit must change the files the patch
+    names and every marker must be present. Raises PatchError naming the patch file and
+    the target file or marker at fault; the repository is left at the last good commit.
+    """
+    tree = Path(tree)
+    repo = gitutil.open_repo(tree)
+    if repo is None:
+        raise PatchError(f"{tree} is not the root of a git repository: refusing to apply patches there")
+    applied = []
+    for patch in series:
+        applied.append((patch.name, _apply_one(repo, tree, patch)))
+    return applied
+
+
+def _apply_one(repo: git.Repo, tree: Path, patch: Patch) -> str:
+    text = patch.path.read_text(encoding="utf-8")
+    _check_targets_lf(tree, patch, text)
+    before = gitutil.rev_parse(repo, "HEAD")
+    try:
+        after = gitutil.am(repo, patch.path, COMMITTER)
+    except git.exc.GitCommandError as exc:
+        raise _does_not_apply(patch, exc) from None
+    if after == before or gitutil.parents(repo, after) != [before]:
+        raise PatchError(f"{patch.path.name}: git am made no commit: the patch is empty or already applied")
+    untouched = set(gitutil.paths_in_patch(text, new_files=True)) - set(gitutil.changed_files(repo, after))
+    if untouched:
+        raise PatchError(f"{patch.path.name}: applied but left {', '.join(sorted(untouched))} unchanged: "
+                         f"regenerate the patch from the work tree")
+    _check_markers(tree, patch)
+    return after
+
+
+def _check_targets_lf(tree: Path, patch: Patch, text: str) -> None:
+    for target in gitutil.paths_in_patch(text):
+        path = tree / target
+        if path.is_file() and b"\r" in path.read_bytes():
+            raise PatchError(f"{patch.path.name}: target file {target} has CRLF line endings in {tree}: "
+                             f"the pinned tree must be LF; re-fetch the pin (`hotggml fetch`) and make sure "
+                             f"nothing converts line endings (core.autocrlf)")
+
+
+def _does_not_apply(patch: Patch, exc: git.exc.GitCommandError) -> PatchError:
+    stderr = exc.stderr if isinstance(exc.stderr, str) else str(exc.stderr)
+    lines = [line.strip() for line in stderr.splitlines() if line.strip().startswith("error:")]
+    files = []
+    for line in lines:
+        for regex in _FAILED_RES:
+            match = regex.match(line)
+            if match and match.group(1) not in files:
+                files.append(match.group(1))
+    where = f" to {', '.join(files)}" if files else ""
+    detail = "; ".join(lines[:4]) or stderr.strip()[-400:]
+    return PatchError(f"{patch.path.name} does not apply{where} ({detail}): rebuild it on the pin in the "
+                      f"work tree (`hotggml patches apply`, fix, commit) and `hotggml patches export`")
+
+
+def _marker_present(tree: Path, marker: Marker) -> bool:
+    path = tree / marker.path
+    return path.is_file() and marker.text.encode("utf-8") in path.read_bytes()
+
+
+def _check_markers(tree: Path, patch: Patch) -> None:
+    for marker in patch.markers:
+        if not _marker_present(tree, marker):
+            raise PatchError(f"{patch.path.name}: marker {marker.text!r} not found in {marker.path} after "
+                             f"applying it: the patch did not land, or the Marker trailer is wrong")
+
+
+def apply(dest: Path | str | None = None, *, patches_dir: Path | str | None = None,
+          pin_dir: Path | str | None = None, force: bool = False) -> ApplyResult:
+    """Produce the patched work tree at `dest` (default WORK_DIR/ggml) and return it.
+
+    The tree is a clone of the verified pristine pin (`pin_dir`, default vendor/ggml)
+    with one commit per patch on branch `hotggml`. When `dest` already holds this pin
+    with this series hash at the recorded head, nothing is done (already_applied=True).
+    The new tree is built beside `dest` and renamed into place, so an interrupted or
+    failed apply leaves the previous tree usable. An existing tree with uncommitted
+    changes or unexported commits is kept unless `force`.
+
+    Raises PinError for a missing/dirty/foreign pin and PatchError for a bad series,
+    a patch that does not apply, a missing marker, or a work tree that would lose work.
+    """
+    series = load_series(patches_dir)
+    shash = series_hash(patches_dir)
+    pin_path = Path(pin_dir) if pin_dir else paths.VENDOR_DIR
+    pin_sha = pin.verify(pin_path)
+    dest = Path(dest) if dest else default_tree()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with paths.lock(dest):
+        _recover(dest)
+        done = _already_applied(dest, pin_sha, shash)
+        if done is not None:
+            return done
+        _check_replaceable(dest, patches_dir, force)
+        return _build_tree(dest, series, shash, pin_path, pin_sha)
+
+
+def _build_tree(dest: Path, series: list[Patch], shash: str, pin_path: Path, pin_sha: str) -> ApplyResult:
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the tree is not
+    try:
+        repo = gitutil.clone_local(pin_path, tmp)
+        gitutil.checkout_branch(repo, WORK_BRANCH, pin_sha)
+        gitutil.set_ref(repo, pin.PIN_REF, pin_sha)
+        commits = apply_series(tmp, series)
+        head = gitutil.rev_parse(repo, "HEAD")
+        gitutil.config_set(repo, {CONFIG_SERIES: shash, CONFIG_PIN: pin_sha, CONFIG_HEAD: head})
+        repo.close()
+        _swap_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ApplyResult(dest, pin_sha, shash, tuple(commits), already_applied=False)
+
+
+def _old(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.old")
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    # Two renames; _recover() puts the old tree back if we die between them.
+    if dest.exists():
+        shutil.rmtree(_old(dest), ignore_errors=True)
+        os.rename(dest, _old(dest))
+    os.rename(tmp, dest)
+    shutil.rmtree(_old(dest), ignore_errors=True)
+
+
+def _recover(dest: Path) -> None:
+    """Undo what an interrupted apply left: restore the previous tree, drop temp folders."""
+    if not dest.exists() and _old(dest).exists():
+        os.rename(_old(dest), dest)
+    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(_old(dest), ignore_errors=True)
+
+
+def _already_applied(dest: Path, pin_sha: str, shash: str) -> ApplyResult | None:
+    repo = gitutil.open_repo(dest)
+    if repo is None:
+        return None
+    head = gitutil.rev_parse(repo, "HEAD")
+    recorded = (gitutil.config_get(repo, CONFIG_SERIES), gitutil.config_get(repo, CONFIG_PIN),
+                gitutil.config_get(repo, CONFIG_HEAD))
+    if recorded != (shash, pin_sha, head) or gitutil.is_dirty(repo):
+        return None
+    return ApplyResult(dest, pin_sha, shash, tuple(_series_commits(repo, strict=False)), already_applied=True)
+
+
+def _check_replaceable(dest: Path, patches_dir: Path | str | None, force: bool) -> None:
+    """Refuse to replace a work tree that holds work not in patches/ (unless force)."""
+    if force or not dest.exists():
+        return
+    repo = gitutil.open_repo(dest)
+    if repo is None:
+        if any(dest.iterdir()):
+            raise PatchError(f"{dest} exists but is not a patched work tree: move it away, or apply with --force")
+        return
+    dirty = gitutil.dirty_files(repo)
+    if dirty:
+        raise PatchError(f"work tree {dest} has uncommitted changes ({', '.join(dirty[:10])}): commit them "
+                         f"with Patch-Name/Marker trailers and `hotggml patches export`, or apply --force "
+                         f"to discard them")
+    if gitutil.rev_parse(repo, "HEAD") == gitutil.config_get(repo, CONFIG_HEAD):
+        return  # made by apply and untouched since: nothing of value to lose
+    try:
+        unexported = export(patches_dir, dry_run=True, tree=dest)
+    except PatchError as exc:
+        raise PatchError(f"work tree {dest} has commits that cannot be exported ({exc}); fix them and "
+                         f"export, or apply --force to discard them") from None
+    if unexported:
+        names = ", ".join(path.name for path in unexported)
+        raise PatchError(f"work tree {dest} has commits not exported to patches/ ({names} would change): "
+                         f"run `hotggml patches export` first, or apply --force to discard them")
+
+
+# -- reading a work tree ----------------------------------------------------------------
+
+def _series_commits(repo: git.Repo, strict: bool = True) -> list[tuple[str, str]]:
+    """Return (Patch-Name, sha) for the commits above the pin ref, oldest first.
+
+    strict: a commit without a valid Patch-Name trailer or with Markers missing raises
+    PatchError; otherwise such commits are reported under their short id.
+    """
+    base = gitutil.rev_parse(repo, pin.PIN_REF)
+    if base is None:
+        raise PatchError(f"{repo.working_tree_dir} has no {pin.PIN_REF} ref: it is not a patched work "
+                         f"tree; run `hotggml patches apply`")
+    found = []
+    for sha in gitutil.rev_list(repo, base):
+        where = f"commit {sha[:12]} in {repo.working_tree_dir}"
+        if len(gitutil.parents(repo, sha)) != 1:
+            raise PatchError(f"{where} is a merge: the series must be linear; rebase it")
+        try:
+            name, _ = _trailers(gitutil.commit_message(repo, sha).split("\n"), where)
+        except PatchError:
+            if strict:
+                raise
+            name = sha[:12]
+        found.append((name, sha))
+    return found
+
+
+def status(*, patches_dir: Path | str | None = None, tree: Path | str | None = None) -> list[PatchStatus]:
+    """Report each series entry in the work tree (default WORK_DIR/ggml), then extra commits.
+
+    States: "applied" (its commit is in the tree, built from this series hash),
+    "stale" (its commit is there but the tree was built from another series hash),
+    "not applied", and "not in series" for tree commits the series does not list.
+    Markers are looked up in the tree's files. Raises PatchError for a bad series.
+    """
+    series = load_series(patches_dir)
+    shash = series_hash(patches_dir)
+    tree = Path(tree) if tree else default_tree()
+    repo = gitutil.open_repo(tree)
+    in_tree: list[tuple[str, str]] = []
+    recorded = None
+    if repo is not None and gitutil.rev_parse(repo, pin.PIN_REF):
+        in_tree = _series_commits(repo, strict=False)
+        recorded = gitutil.config_get(repo, CONFIG_SERIES)
+    names = {name for name, _ in in_tree}
+    report = []
+    for patch in series:
+        state = NOT_APPLIED if patch.name not in names else APPLIED if recorded == shash else STALE
+        markers = tuple((marker, repo is not None and _marker_present(tree, marker)) for marker in patch.markers)
+        report.append(PatchStatus(patch.name, state, markers))
+    listed = {patch.name for patch in series}
+    report += [PatchStatus(name, NOT_IN_SERIES, ()) for name, _ in in_tree if name not in listed]
+    return report
+
+
+def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None = None) -> ApplyResult:
+    """CI gate: apply the series to the pristine pin in a scratch folder and verify it.
+
+    Checks every patch is LF, named, listed, applies, and leaves its markers; then that
+    re-exporting the commits gives files byte-identical to the ones in patches_dir.
+    Returns the scratch apply's result (its tree is deleted). Raises PatchError naming
+    the patch file (and the marker/file) at fault, PinError when the pin is not usable.
+    """
+    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
+    series = load_series(patches_dir)
+    _check_unlisted(patches_dir, series)
+    shash = series_hash(patches_dir)
+    pin_path = Path(pin_dir) if pin_dir else paths.VENDOR_DIR
+    pin_sha = pin.verify(pin_path)
+    with tempfile.TemporaryDirectory(prefix="hotggml-check-") as scratch:
+        result = _build_tree(Path(scratch) / "ggml", series, shash, pin_path, pin_sha)
+        differs = export(patches_dir, dry_run=True, tree=result.tree)
+    if differs:
+        raise PatchError(f"export is not canonical: re-exporting the applied series changes "
+                         f"{', '.join(path.name for path in differs)}: run `hotggml patches apply` then "
+                         f"`hotggml patches export` and commit the result")
+    return result
+
+
+def _check_unlisted(patches_dir: Path, series: list[Patch]) -> None:
+    listed = {patch.path.name for patch in series}
+    unlisted = sorted(path.name for path in patches_dir.glob(f"*{SUFFIX}") if path.name not in listed)
+    if unlisted:
+        raise PatchError(f"{', '.join(unlisted)} in {patches_dir} not listed in {SERIES_FILE}: "
+                         f"add it to the series or delete it")
+
+
+# -- exporting --------------------------------------------------------------------------
+
+def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
+           tree: Path | str | None = None) -> list[Path]:
+    """Write one patch per commit above the pin in `tree` (default WORK_DIR/ggml) and the series.
+
+    Files are named from each commit's Patch-Name trailer and produced with fixed
+    format-patch flags (gitutil.FORMAT_PATCH_ARGS), LF only; patches no longer in the
+    tree are deleted; the series keeps its leading comment block. Returns the files
+    that changed (dry_run: that would change; CI treats a non-empty list as stale).
+    Raises PatchError: no work tree, uncommitted changes, a commit without Patch-Name
+    or Markers, a merge, a duplicate name, or CR in a commit.
+    """
+    out_dir = Path(out_dir or paths.PATCHES_DIR)
+    tree = Path(tree) if tree else default_tree()
+    repo = gitutil.open_repo(tree)
+    if repo is None:
+        raise PatchError(f"{tree} is not a patched work tree: run `hotggml patches apply` first")
+    dirty = gitutil.dirty_files(repo)
+    if dirty:
+        raise PatchError(f"work tree {tree} has uncommitted changes ({', '.join(dirty[:10])}): commit them "
+                         f"(with Patch-Name and Marker trailers) before exporting")
+    outputs = _render(repo, _series_commits(repo, strict=True))
+    filenames = list(outputs)
+    outputs[SERIES_FILE] = _series_text(out_dir / SERIES_FILE, filenames).encode()
+    changed = [out_dir / name for name, data in outputs.items() if _read(out_dir / name) != data]
+    removed = [out_dir / name for name in _old_entries(out_dir) if name not in outputs and (out_dir / name).exists()]
+    if not dry_run:
+        _write_all(out_dir, outputs, changed, removed)
+        _record_export(repo, out_dir)
+    return changed + removed
+
+
+def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:
+    outputs: dict[str, bytes] = {}
+    for name, sha in commits:
+        filename = name + SUFFIX
+        if filename in outputs:
+            raise PatchError(f"two commits in {repo.working_tree_dir} are named {name!r}: "
+                             f"give each a unique Patch-Name")
+        data = gitutil.format_patch(repo, sha)
+        if b"\r" in data:
+            raise PatchError(f"commit {sha[:12]} ({filename}) contains CR characters: convert the files "
+                             f"it touches to LF and amend it")
+        outputs[filename] = data
+    return outputs
+
+
+def _series_text(series_path: Path, filenames: list[str]) -> str:
+    # Keep the leading comment block (explanations of the series); entries are canonical.
+    header = []
+    if series_path.is_file():
+        for line in series_path.read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                break
+            header.append(line)
+    return "".join(line + "\n" for line in header + filenames)
+
+
+def _old_entries(out_dir: Path) -> list[str]:
+    try:
+        return series_entries(out_dir)
+    except PatchError:
+        return []
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _write_all(out_dir: Path, outputs: dict[str, bytes], changed: list[Path], removed: list[Path]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Patches first and the series last: a reader never sees a series naming a missing file.
+    for path in sorted(changed, key=lambda p: p.name == SERIES_FILE):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(outputs[path.name])
+        os.replace(tmp, path)
+    for path in removed:
+        path.unlink()
+
+
+def _record_export(repo: git.Repo, out_dir: Path) -> None:
+    # The tree now matches the files exactly: mark it applied for this series so that
+    # `apply` says "already applied" instead of rebuilding over the maintainer's commits.
+    head = gitutil.rev_parse(repo, "HEAD")
+    gitutil.config_set(repo, {CONFIG_SERIES: series_hash(out_dir), CONFIG_HEAD: head})

@@ -1,0 +1,73 @@
+"""Where hotggml keeps things: the repository, the pin, the series and the state folder.
+
+The state folder (cached sdist, patched work tree, keyed builds) defaults to
+REPO_ROOT/.hotggml and moves with HOTGGML_STATE_DIR. The names STATE_DIR, CACHE_DIR,
+WORK_DIR and BUILD_ROOT are computed on every access (module __getattr__), so a
+change of the environment after import is honoured; prefer the functions in code
+that may run under a monkeypatched environment (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PATCHES_DIR = REPO_ROOT / "patches"
+VENDOR_DIR = REPO_ROOT / "vendor" / "ggml"
+
+STATE_ENV = "HOTGGML_STATE_DIR"
+
+
+def state_dir() -> Path:
+    """Return the state folder: $HOTGGML_STATE_DIR, else REPO_ROOT/.hotggml (not created)."""
+    override = os.environ.get(STATE_ENV)
+    return Path(override).expanduser().resolve() if override else REPO_ROOT / ".hotggml"
+
+
+def cache_dir() -> Path:
+    """Return the folder holding downloaded sources (the ggml sdist)."""
+    return state_dir() / "cache"
+
+
+def work_dir() -> Path:
+    """Return the folder holding patched trees (WORK_DIR/ggml is the default one)."""
+    return state_dir() / "work"
+
+
+def build_root() -> Path:
+    """Return the folder under which builds keyed by pin + series hash live."""
+    return state_dir() / "build"
+
+
+_LAZY = {"STATE_DIR": state_dir, "CACHE_DIR": cache_dir, "WORK_DIR": work_dir, "BUILD_ROOT": build_root}
+
+
+def __getattr__(name: str) -> Path:
+    # PEP 562: keep the documented constant names while reading the environment late.
+    if name in _LAZY:
+        return _LAZY[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `target` (a tree we are about to replace) while the block runs.
+
+    The lock file lives under the state folder, keyed by the target's absolute path,
+    so that locking never leaves files next to the target (vendor/ is in the superproject).
+    Blocks until a concurrent holder (another fetch/apply) is done.
+    """
+    key = hashlib.sha1(str(Path(target).resolve()).encode()).hexdigest()[:16]
+    lock_dir = state_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{key}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,317 @@
+"""The pinned upstream ggml: where its source comes from, and proof that it is the pin.
+
+The pin is ggml v0.15.3. These machines reach PyPI but not GitHub, so besides an
+initialized submodule the source may be the ggml-python 0.0.45 sdist, which carries
+the same tree under vendor/ggml/. Whatever the source, the tree is accepted only when
+the git tree hashes of src, include, cmake, tests and CMakeLists.txt equal upstream's.
+
+A tree materialized from the sdist is committed with a fixed identity, date and
+message, so its commit id is the same on every machine (patch commits on top are then
+reproducible too). The pin commit is marked with refs/tags/hotggml-pin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import git
+
+from hotggml import gitutil, paths
+from hotggml.errors import PinError
+
+TAG = "v0.15.3"
+UPSTREAM_COMMIT = "eced84c86f8b012c752c016f7fe789adea168e1e"
+TREES = {
+    "src": "415371feadc9f45b16a3edccfefca3ef6a2bcbf9",
+    "include": "677d7564fb4d2684f8636199b703c5b1605d6bc6",
+    "cmake": "ec954fa0a2ab3d466bd16114b71b846b6093c6c8",
+    "tests": "150f9ecd0f73d06a70f66b171bf8b2ffc98bd561",
+    "CMakeLists.txt": "0ec62a3773d6024fd7d5c849af65aab04cd10583",
+}
+
+SDIST_REQUIREMENT = "ggml-python==0.0.45"
+SDIST_FILE = "ggml_python-0.0.45.tar.gz"
+SDIST_SHA256 = "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05"
+SDIST_PREFIX = "ggml_python-0.0.45/vendor/ggml/"
+SDIST_ENV = "HOTGGML_GGML_SDIST"
+
+# The commit fetch() makes from the sdist (fixed identity, date, message): the same
+# everywhere. A pin from an initialized submodule is UPSTREAM_COMMIT instead.
+SDIST_PIN_COMMIT = "5ae48ca012b48cc80be742a195374919b4abd744"
+
+PIN_REF = "refs/tags/hotggml-pin"
+PIN_BRANCH = "pin"
+PIN_IDENTITY = gitutil.Identity("hotggml", "hotggml@invalid", "2025-01-01 00:00:00 +0000")
+PIN_MESSAGE = (
+    f"ggml {TAG} (upstream {UPSTREAM_COMMIT})\n\n"
+    f"Materialized by hotggml from {SDIST_FILE} (sha256 {SDIST_SHA256}),\n"
+    f"members {SDIST_PREFIX}. Trees src, include, cmake, tests and CMakeLists.txt\n"
+    f"match upstream {TAG} byte for byte.\n"
+)
+
+_TMP_PREFIX = ".{name}.tmp-"
+_PIP_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """What fetch() did: the pin tree, its commit, where it came from, whether it changed."""
+
+    path: Path
+    commit: str
+    source: str  # "existing", or "tarball <path>", or "pip"
+    changed: bool
+
+
+def verify(path: Path | str | None = None) -> str:
+    """Check that `path` (default vendor/ggml) is the pinned ggml, clean; return its HEAD commit.
+
+    Raises PinError when `path` is not a git repository, when a pinned tree differs
+    (naming the tree, e.g. 'src'), or when the tree has uncommitted changes or
+    untracked files (naming them).
+    """
+    path = Path(path) if path else paths.VENDOR_DIR
+    repo = _open(path)
+    _check_trees(repo, str(path), _FIX_FORCE)
+    _check_clean(repo, path)
+    return gitutil.rev_parse(repo, "HEAD")
+
+
+def pin_commit(path: Path | str | None = None) -> str:
+    """Return the commit id of the verified pin at `path` (default vendor/ggml).
+
+    Raises PinError as verify() does.
+    """
+    return verify(path)
+
+
+def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
+          cache_dir: Path | str | None = None, use_pip: bool = True, force: bool = False) -> FetchResult:
+    """Materialize the pristine pin into `dest` (default vendor/ggml) and return what happened.
+
+    Sources, first that works: `dest` already the verified pin (nothing to do); the
+    tarball `sdist`, else $HOTGGML_GGML_SDIST, else <cache>/ggml_python-0.0.45.tar.gz;
+    else `pip download` of ggml-python==0.0.45 into the cache (when use_pip).
+    The tarball's sha256 is checked before extraction; the new tree replaces `dest`
+    only once verified, so an interrupted fetch leaves the previous state as it was.
+    `force` replaces a committed tree that is not the pin (never one with uncommitted work).
+
+    Raises PinError: dirty or foreign tree at `dest`, no reachable source, wrong
+    checksum, or an sdist whose trees do not match the pin.
+    """
+    dest = Path(dest) if dest else paths.VENDOR_DIR
+    cache = Path(cache_dir) if cache_dir else paths.cache_dir()
+    existing = _existing_pin(dest, force)
+    if existing:
+        return FetchResult(dest, existing, "existing", changed=False)
+    tarball, source = _find_tarball(sdist, cache, use_pip)
+    _check_sha256(tarball)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with paths.lock(dest):
+        _remove_stale_temps(dest)
+        commit = _materialize(tarball, dest)
+    return FetchResult(dest, commit, source, changed=True)
+
+
+# -- verification -------------------------------------------------------------------------
+
+def _open(path: Path) -> git.Repo:
+    repo = gitutil.open_repo(path)
+    if repo is None:
+        raise PinError(f"{path} is not a git repository holding the pinned ggml: run `hotggml fetch`")
+    return repo
+
+
+_FIX_FORCE = "this is not the pin; run `hotggml fetch --force` to replace it with the pristine pin"
+_FIX_SDIST = f"this sdist does not carry ggml {TAG}; delete it and fetch {SDIST_REQUIREMENT} again"
+
+
+def _check_trees(repo: git.Repo, where: str, fix: str) -> None:
+    if gitutil.rev_parse(repo, "HEAD") is None:
+        raise PinError(f"{where} has no commit: {fix}")
+    found = gitutil.tree_entries(repo, "HEAD", list(TREES))
+    for name, expected in TREES.items():
+        actual = found.get(name)
+        if actual != expected:
+            raise PinError(f"pinned ggml tree {name!r} is {actual or 'missing'}, expected {expected} "
+                           f"(ggml {TAG}) in {where}: {fix}")
+
+
+def _check_clean(repo: git.Repo, path: Path) -> None:
+    # Ignored files inside the pinned trees count as dirty: they would be built.
+    dirty = gitutil.dirty_files(repo, ignored_in=list(TREES))
+    if dirty:
+        shown = ", ".join(dirty[:10]) + (f" (+{len(dirty) - 10} more)" if len(dirty) > 10 else "")
+        raise PinError(
+            f"pinned ggml tree {path} is dirty: {shown}; the pin is never edited in place: "
+            f"discard these changes (git -C {path} checkout -- . && git -C {path} clean -fdx) "
+            f"and make changes as patches in the work tree instead"
+        )
+
+
+def _existing_pin(dest: Path, force: bool) -> str | None:
+    """Return the commit when `dest` already is the verified pin; None when it may be replaced."""
+    if not dest.exists() or not any(dest.iterdir()):
+        return None
+    repo = gitutil.open_repo(dest)
+    if repo is None:
+        if force:
+            return None
+        raise PinError(f"{dest} exists but is not a git repository: move it away, "
+                       f"or run `hotggml fetch --force` to replace it")
+    _check_clean(repo, dest)  # never throw away uncommitted work, even with force
+    try:
+        _check_trees(repo, str(dest), _FIX_FORCE)
+    except PinError:
+        if force:
+            return None
+        raise
+    commit = gitutil.rev_parse(repo, "HEAD")
+    if gitutil.rev_parse(repo, PIN_REF) != commit:
+        gitutil.set_ref(repo, PIN_REF, commit)
+    return commit
+
+
+# -- sources ------------------------------------------------------------------------------
+
+def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool) -> tuple[Path, str]:
+    explicit = sdist or os.environ.get(SDIST_ENV)
+    if explicit:
+        tarball = Path(explicit).expanduser()
+        if not tarball.is_file():
+            origin = "--sdist" if sdist else SDIST_ENV
+            raise PinError(f"the ggml sdist given by {origin} ({tarball}) does not exist: point it at "
+                           f"{SDIST_FILE}, or unset it to use {cache / SDIST_FILE} or pip")
+        return tarball, f"tarball {tarball}"
+    cached = cache / SDIST_FILE
+    if cached.is_file():
+        return cached, f"tarball {cached}"
+    if not use_pip:
+        raise _no_source(cache, "pip is disabled")
+    return _pip_download(cache), "pip"
+
+
+def _no_source(cache: Path, why: str) -> PinError:
+    return PinError(
+        f"no source for the pinned ggml ({why}): put {SDIST_FILE} in {cache} or set {SDIST_ENV} "
+        f"to its path, or check that pip's configured index serves {SDIST_REQUIREMENT} "
+        f"(`{sys.executable} -m pip download --no-deps --no-binary :all: {SDIST_REQUIREMENT}`)"
+    )
+
+
+def _pip_download(cache: Path) -> Path:
+    # Through pip, by name: the index is whatever pip is configured with, never ours to choose.
+    cache.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               SDIST_REQUIREMENT, "-d", str(cache)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _no_source(cache, f"pip download failed: {exc}") from exc
+    tarball = cache / SDIST_FILE
+    if done.returncode != 0 or not tarball.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise _no_source(cache, "pip download failed: " + " | ".join(tail))
+    return tarball
+
+
+def _check_sha256(tarball: Path) -> None:
+    digest = hashlib.sha256()
+    with open(tarball, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != SDIST_SHA256:
+        raise PinError(f"{tarball} has sha256 {digest.hexdigest()}, expected {SDIST_SHA256} "
+                       f"({SDIST_FILE}): delete it and run `hotggml fetch` again")
+
+
+# -- materialization ----------------------------------------------------------------------
+
+def _remove_stale_temps(dest: Path) -> None:
+    # Left by an interrupted fetch; we hold the lock, so no live fetch owns them.
+    for stale in dest.parent.glob(_TMP_PREFIX.format(name=dest.name) + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(dest.with_name(f".{dest.name}.old"), ignore_errors=True)
+
+
+def _materialize(tarball: Path, dest: Path) -> str:
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=_TMP_PREFIX.format(name=dest.name)))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the tree is not
+    try:
+        extract_vendor_tree(tarball, tmp)
+        repo = gitutil.init_repo(tmp, initial_branch=PIN_BRANCH)
+        commit = gitutil.commit_all(repo, PIN_MESSAGE, PIN_IDENTITY)
+        _check_trees(repo, str(tarball), _FIX_SDIST)
+        gitutil.set_ref(repo, PIN_REF, commit)
+        repo.close()
+        _swap_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return commit
+
+
+def extract_vendor_tree(tarball: Path | str, out: Path | str, prefix: str = SDIST_PREFIX) -> int:
+    """Extract the members under `prefix` of `tarball` into `out`; return the file count.
+
+    Only regular files and folders are taken; a member that would land outside
+    `out` (absolute path, '..') or is a link is refused with PinError. The executable
+    bit is kept (git records it), other mode bits are not.
+    """
+    out = Path(out)
+    count = 0
+    with tarfile.open(tarball, "r:*") as archive:
+        for member in archive:
+            if not member.name.startswith(prefix):
+                continue
+            relative = _safe_relative(member.name[len(prefix):], member.name)
+            if relative is None:
+                continue
+            target = out / relative
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+            elif member.isfile():
+                _extract_file(archive, member, target)
+                count += 1
+            else:
+                raise PinError(f"{tarball}: member {member.name} is a link or device; refusing to extract it")
+    if count == 0:
+        raise PinError(f"{tarball} has no members under {prefix}: it is not the {SDIST_FILE} sdist")
+    return count
+
+
+def _safe_relative(name: str, full: str) -> PurePosixPath | None:
+    relative = PurePosixPath(name)
+    if not name or name == "/":
+        return None
+    if relative.is_absolute() or ".." in relative.parts:
+        raise PinError(f"sdist member {full!r} escapes the extraction folder; refusing the tarball")
+    return relative
+
+
+def _extract_file(archive: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source = archive.extractfile(member)
+    with open(target, "wb") as handle:
+        shutil.copyfileobj(source, handle)
+    os.chmod(target, 0o755 if member.mode & 0o111 else 0o644)
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    # rename(2) replaces a missing or empty folder atomically (the submodule placeholder).
+    if dest.exists() and any(dest.iterdir()):
+        # Only reached with force (a committed foreign tree): keep it until the new one is in.
+        old = dest.with_name(f".{dest.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(tmp, dest)

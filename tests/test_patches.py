@@ -1,0 +1,193 @@
+"""The series: applies as deterministic commits, fails naming the file, exports canonically."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hotggml import cli, gitutil, patches, paths, pin
+from hotggml.errors import PatchError, PinError
+
+LOCAL_SDIST = Path("/tmp/dl") / pin.SDIST_FILE
+FIRST = "alloc-free-blocks.patch"
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory) -> Path:
+    """The pin materialized once per session (same place as test_pin's, so fetched once)."""
+    dest = tmp_path_factory.getbasetemp() / "pin" / "ggml"
+    sdist = next((p for p in (LOCAL_SDIST, paths.cache_dir() / pin.SDIST_FILE) if p.is_file()), None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(paths.STATE_ENV, str(tmp_path_factory.getbasetemp() / "session-state"))
+        patch.delenv(pin.SDIST_ENV, raising=False)
+        pin.fetch(sdist, dest=dest, cache_dir=paths.REPO_ROOT / ".hotggml" / "cache")
+    return dest
+
+
+@pytest.fixture(autouse=True)
+def isolated_state(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.STATE_ENV, str(tmp_path / "state"))
+
+
+@pytest.fixture
+def series_dir(tmp_path) -> Path:
+    """A private copy of patches/ that a test may break."""
+    copy = tmp_path / "patches"
+    shutil.copytree(paths.PATCHES_DIR, copy)
+    return copy
+
+
+@pytest.fixture
+def applied(pristine, series_dir, tmp_path) -> patches.ApplyResult:
+    return patches.apply(tmp_path / "work" / "ggml", patches_dir=series_dir, pin_dir=pristine)
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"fixture drift: {old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_apply_makes_one_deterministic_commit_per_patch(applied, pristine, series_dir, tmp_path):
+    names = [patch.name for patch in patches.load_series(series_dir)]
+    assert [name for name, _ in applied.commits] == names
+    assert not applied.already_applied and applied.pin_commit == pin.SDIST_PIN_COMMIT
+    again = patches.apply(tmp_path / "other" / "ggml", patches_dir=series_dir, pin_dir=pristine)
+    assert again.commits == applied.commits
+
+
+def test_apply_twice_says_already_applied(applied, pristine, series_dir):
+    again = patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    assert again.already_applied and again.commits == applied.commits
+    assert again.series_hash == applied.series_hash == patches.series_hash(series_dir)
+
+
+def test_export_round_trip_is_byte_identical(applied, series_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "series").write_bytes((series_dir / "series").read_bytes())
+    patches.export(out, tree=applied.tree)
+    for entry in patches.series_entries(series_dir) + ["series"]:
+        assert (out / entry).read_bytes() == (series_dir / entry).read_bytes(), entry
+    assert patches.export(series_dir, dry_run=True, tree=applied.tree) == []
+
+
+def test_export_dry_run_names_stale_file(applied, series_dir):
+    edit(series_dir / FIRST, "Why: the dynamic", "Why: the  dynamic")
+    assert patches.export(series_dir, dry_run=True, tree=applied.tree) == [series_dir / FIRST]
+    assert "the  dynamic" in (series_dir / FIRST).read_text()  # dry run writes nothing
+
+
+def test_export_refuses_commit_without_patch_name(applied, series_dir):
+    (applied.tree / "NOTES").write_text("x\n")
+    gitutil.commit_all(gitutil.open_repo(applied.tree), "no trailers here", pin.PIN_IDENTITY)
+    with pytest.raises(PatchError, match="no `Patch-Name: <name>` trailer"):
+        patches.export(series_dir, dry_run=True, tree=applied.tree)
+
+
+def test_apply_keeps_unexported_and_uncommitted_work(applied, pristine, series_dir):
+    alloc = applied.tree / "src" / "ggml-alloc.c"
+    alloc.write_text(alloc.read_text() + "// wip\n")
+    with pytest.raises(PatchError, match="uncommitted changes.*src/ggml-alloc.c"):
+        patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    message = "more\n\nPatch-Name: wip\nMarker: src/ggml-alloc.c: // wip\n"
+    gitutil.commit_all(gitutil.open_repo(applied.tree), message, pin.PIN_IDENTITY)
+    with pytest.raises(PatchError, match="not exported.*wip.patch"):
+        patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    assert patches.export(series_dir, tree=applied.tree)  # exported: now it is the series
+    assert patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine).already_applied
+    assert "wip.patch" in patches.series_entries(series_dir)
+
+
+def test_check_passes_on_the_real_series(pristine, series_dir):
+    result = patches.check(patches_dir=series_dir, pin_dir=pristine)
+    assert len(result.commits) == len(patches.series_entries(series_dir))
+    assert not result.tree.exists()  # scratch tree is gone
+
+
+def test_check_names_crlf_patch(pristine, series_dir):
+    path = series_dir / FIRST
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(PatchError, match=f"{FIRST} has CRLF line endings"):
+        patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
+def test_crlf_target_names_the_target_not_does_not_apply(pristine, series_dir, tmp_path):
+    tree = tmp_path / "ggml"
+    repo = gitutil.clone_local(pristine, tree)
+    gitutil.checkout_branch(repo, "pin", "HEAD")
+    target = tree / "src" / "ggml-alloc.c"
+    target.write_bytes(target.read_bytes().replace(b"\n", b"\r\n"))
+    gitutil.commit_all(repo, "crlf", pin.PIN_IDENTITY)
+    with pytest.raises(PatchError, match="target file src/ggml-alloc.c has CRLF") as error:
+        patches.apply_series(tree, patches.load_series(series_dir)[:1])
+    assert "does not apply" not in str(error.value)
+
+
+def test_check_names_missing_marker(pristine, series_dir):
+    edit(series_dir / FIRST, "Marker: src/ggml-alloc.c: #define MAX_FREE_BLOCKS 1024",
+         "Marker: src/ggml-alloc.c: #define MAX_FREE_BLOCKS 4096")
+    with pytest.raises(PatchError, match=f"{FIRST}: marker '#define MAX_FREE_BLOCKS 4096' not found in "
+                                         f"src/ggml-alloc.c"):
+        patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
+def test_series_whose_hunks_fail_is_refused_and_old_tree_kept(applied, pristine, series_dir):
+    edit(series_dir / FIRST, "-#define MAX_FREE_BLOCKS 256", "-#define MAX_FREE_BLOCKS 512")
+    with pytest.raises(PatchError, match=f"{FIRST} does not apply to src/ggml-alloc.c"):
+        patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    repo = gitutil.open_repo(applied.tree)
+    assert gitutil.rev_parse(repo, "HEAD") == applied.commits[-1][1]
+    assert not list(applied.tree.parent.glob(".ggml.*"))
+
+
+def test_apply_refuses_a_folder_that_is_not_a_repository_root(pristine, series_dir, tmp_path):
+    repo = gitutil.clone_local(pristine, tmp_path / "ggml")
+    gitutil.checkout_branch(repo, "pin", "HEAD")
+    with pytest.raises(PatchError, match="not the root of a git repository"):
+        patches.apply_series(tmp_path / "ggml" / "src", patches.load_series(series_dir))
+
+
+def test_apply_refuses_dirty_pin(pristine, series_dir, tmp_path):
+    copy = tmp_path / "pin"
+    gitutil.checkout_branch(gitutil.clone_local(pristine, copy), "pin", "HEAD")
+    (copy / "src" / "stray.c").write_text("\n")
+    with pytest.raises(PinError, match="dirty: src/stray.c"):
+        patches.apply(tmp_path / "work", patches_dir=series_dir, pin_dir=copy)
+
+
+def test_patch_name_must_match_file(series_dir):
+    shutil.move(series_dir / FIRST, series_dir / "renamed.patch")
+    edit(series_dir / "series", FIRST, "renamed.patch")
+    with pytest.raises(PatchError, match="Patch-Name is 'alloc-free-blocks' but the file is renamed.patch"):
+        patches.load_series(series_dir)
+
+
+def test_check_refuses_unlisted_patch(pristine, series_dir):
+    shutil.copy(series_dir / FIRST, series_dir / "stray.patch")
+    with pytest.raises(PatchError, match="stray.patch .* not listed"):
+        patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
+def test_status_reports_applied_stale_and_not_applied(applied, series_dir, tmp_path):
+    report = patches.status(patches_dir=series_dir, tree=applied.tree)
+    assert {entry.state for entry in report} == {patches.APPLIED} and all(e.markers_ok for e in report)
+    edit(series_dir / FIRST, "Why: the dynamic", "Why: the  dynamic")
+    report = patches.status(patches_dir=series_dir, tree=applied.tree)
+    assert {entry.state for entry in report} == {patches.STALE}
+    report = patches.status(patches_dir=series_dir, tree=tmp_path / "missing")
+    assert {entry.state for entry in report} == {patches.NOT_APPLIED}
+    assert not any(entry.markers_ok for entry in report)
+
+
+def test_series_hash_changes_with_any_byte(series_dir):
+    before = patches.series_hash(series_dir)
+    edit(series_dir / FIRST, "Why:", "Why :")
+    assert patches.series_hash(series_dir) != before
+
+
+def test_cli_reports_errors_with_exit_code_2(capsys):
+    assert cli.main(["patches", "export", "--dry-run"]) == 2  # no work tree in the isolated state dir
+    assert capsys.readouterr().err.startswith("hotggml: error: ")

@@ -1,0 +1,176 @@
+"""The pin: materialized deterministically, verified by tree hash, refused when tampered or dirty."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hotggml import gitutil, paths, pin
+from hotggml.errors import PinError
+
+LOCAL_SDIST = Path("/tmp/dl") / pin.SDIST_FILE
+
+
+def _sdist() -> Path | None:
+    """The sdist to build the session pin from: a local copy, the cache, else None (pip)."""
+    for candidate in (LOCAL_SDIST, paths.cache_dir() / pin.SDIST_FILE):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory) -> Path:
+    """The pin materialized once per session (pip downloads into the real cache on first use)."""
+    dest = tmp_path_factory.getbasetemp() / "pin" / "ggml"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(paths.STATE_ENV, str(tmp_path_factory.getbasetemp() / "session-state"))
+        patch.delenv(pin.SDIST_ENV, raising=False)
+        pin.fetch(_sdist(), dest=dest, cache_dir=paths.REPO_ROOT / ".hotggml" / "cache")
+    return dest
+
+
+@pytest.fixture(autouse=True)
+def isolated_state(tmp_path, monkeypatch):
+    """Keep each test's locks and work trees out of the repository's .hotggml."""
+    monkeypatch.setenv(paths.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.delenv(pin.SDIST_ENV, raising=False)
+
+
+def clone(source: Path, dest: Path) -> Path:
+    """A cheap working copy of a pin (hard-linked objects), checked out."""
+    repo = gitutil.clone_local(source, dest)
+    gitutil.checkout_branch(repo, "pin", "HEAD")
+    return dest
+
+
+def commit_all(tree: Path) -> None:
+    gitutil.commit_all(gitutil.open_repo(tree), "tamper", pin.PIN_IDENTITY)
+
+
+def test_pin_from_sdist_is_deterministic(pristine):
+    assert pin.verify(pristine) == pin.SDIST_PIN_COMMIT
+    repo = gitutil.open_repo(pristine)
+    assert gitutil.rev_parse(repo, pin.PIN_REF) == pin.SDIST_PIN_COMMIT
+    for name, expected in pin.TREES.items():
+        assert gitutil.tree_hash(repo, "HEAD", name) == expected
+
+
+def test_fetch_over_verified_pin_does_nothing_offline(pristine):
+    result = pin.fetch(dest=pristine, use_pip=False)
+    assert (result.changed, result.source, result.commit) == (False, "existing", pin.SDIST_PIN_COMMIT)
+
+
+def test_fetch_from_env_tarball_into_placeholder(pristine, tmp_path, monkeypatch):
+    sdist = _sdist()
+    if sdist is None:
+        pytest.skip("no local sdist (the session pin came from pip)")
+    dest = tmp_path / "vendor" / "ggml"
+    dest.mkdir(parents=True)  # an uninitialized submodule is an empty folder
+    monkeypatch.setenv(pin.SDIST_ENV, str(sdist))
+    result = pin.fetch(dest=dest, cache_dir=tmp_path / "empty-cache", use_pip=False)
+    assert result.changed and result.commit == pin.SDIST_PIN_COMMIT
+    assert not list(dest.parent.glob(".ggml.tmp-*"))
+
+
+@pytest.mark.parametrize("path, tree", [("src/ggml.c", "src"), ("CMakeLists.txt", "CMakeLists.txt"),
+                                        ("include/ggml.h", "include")])
+def test_tampered_tree_is_refused_naming_the_tree(pristine, tmp_path, path, tree):
+    copy = clone(pristine, tmp_path / "ggml")
+    with open(copy / path, "a") as handle:
+        handle.write("\n// tampered\n")
+    commit_all(copy)
+    with pytest.raises(PinError, match=f"pinned ggml tree '{tree}' is [0-9a-f]{{40}}, expected {pin.TREES[tree]}"):
+        pin.verify(copy)
+
+
+def test_tampered_tree_is_replaced_only_with_force(pristine, tmp_path):
+    copy = clone(pristine, tmp_path / "ggml")
+    (copy / "src" / "ggml.c").write_text("tampered\n")
+    commit_all(copy)
+    with pytest.raises(PinError, match="'src'.*--force"):
+        pin.fetch(dest=copy, use_pip=False)
+    sdist = _sdist()
+    if sdist is None:
+        pytest.skip("no local sdist to replace it from")
+    result = pin.fetch(sdist, dest=copy, use_pip=False, force=True)
+    assert result.changed and pin.verify(copy) == pin.SDIST_PIN_COMMIT
+
+
+def test_dirty_tree_is_refused_naming_files(pristine, tmp_path):
+    copy = clone(pristine, tmp_path / "ggml")
+    with open(copy / "src" / "ggml-alloc.c", "a") as handle:
+        handle.write("// local edit\n")
+    (copy / "src" / "extra.c").write_text("int x;\n")
+    with pytest.raises(PinError, match=r"dirty: src/extra.c, src/ggml-alloc.c"):
+        pin.verify(copy)
+    with pytest.raises(PinError, match="dirty"):  # never replaced over uncommitted work
+        pin.fetch(dest=copy, use_pip=False, force=True)
+
+
+def test_ignored_file_in_pinned_tree_is_dirty(pristine, tmp_path):
+    copy = clone(pristine, tmp_path / "ggml")
+    (copy / "src" / "arm_neon.h").write_text("/* ignored by ggml's .gitignore */\n")
+    with pytest.raises(PinError, match="src/arm_neon.h"):
+        pin.verify(copy)
+
+
+def test_missing_env_tarball_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv(pin.SDIST_ENV, str(tmp_path / "nope.tar.gz"))
+    with pytest.raises(PinError, match=f"{pin.SDIST_ENV}.*does not exist"):
+        pin.fetch(dest=tmp_path / "ggml", cache_dir=tmp_path / "cache", use_pip=False)
+
+
+def test_no_source_says_where_to_put_the_tarball(tmp_path):
+    with pytest.raises(PinError, match=f"put {pin.SDIST_FILE} in .*cache or set {pin.SDIST_ENV}.*pip"):
+        pin.fetch(dest=tmp_path / "ggml", cache_dir=tmp_path / "cache", use_pip=False)
+    assert not (tmp_path / "ggml").exists()
+
+
+def test_wrong_checksum_is_refused(tmp_path):
+    fake = tmp_path / pin.SDIST_FILE
+    fake.write_bytes(b"not the sdist")
+    with pytest.raises(PinError, match="sha256 .* expected " + pin.SDIST_SHA256):
+        pin.fetch(fake, dest=tmp_path / "ggml", use_pip=False)
+
+
+def test_interrupted_fetch_leaves_previous_state(tmp_path, monkeypatch):
+    sdist = _sdist()
+    if sdist is None:
+        pytest.skip("no local sdist")
+    dest = tmp_path / "ggml"
+    dest.mkdir()
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gitutil, "commit_all", boom)
+    with pytest.raises(KeyboardInterrupt):
+        pin.fetch(sdist, dest=dest, use_pip=False)
+    assert dest.is_dir() and not any(dest.iterdir())
+    assert not list(tmp_path.glob(".ggml.tmp-*"))
+
+
+def _tar_with(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / "evil.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        info = tarfile.TarInfo(name)
+        info.size = 4
+        archive.addfile(info, io.BytesIO(b"evil"))
+    return path
+
+
+def test_extraction_refuses_path_traversal(tmp_path):
+    evil = _tar_with(tmp_path, pin.SDIST_PREFIX + "../../../escape.txt")
+    with pytest.raises(PinError, match="escapes"):
+        pin.extract_vendor_tree(evil, tmp_path / "out")
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_not_a_repository_is_refused(tmp_path):
+    (tmp_path / "ggml").mkdir()
+    with pytest.raises(PinError, match="not a git repository.*hotggml fetch"):
+        pin.verify(tmp_path / "ggml")
