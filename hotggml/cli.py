@@ -19,6 +19,11 @@ from hotggml.errors import HotggmlError
 COMMANDS: dict[str, str] = {
     "fetch": "hotggml.cli:add_fetch_parser",
     "patches": "hotggml.cli:add_patches_parser",
+    "prepare": "hotggml.cli:add_prepare_parser",
+    "build": "hotggml.cli:add_build_parser",
+    "parity": "hotggml.cli:add_parity_parser",
+    "memory": "hotggml.cli:add_memory_parser",
+    "bench": "hotggml.cli:add_bench_parser",
 }
 
 
@@ -134,3 +139,139 @@ def _run_export(args: argparse.Namespace) -> int:
     if not changed:
         print("patches are up to date")
     return 1 if args.dry_run and changed else 0
+
+
+# -- prepare / build --------------------------------------------------------------------
+
+def add_prepare_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `prepare [--json]` (fetch + apply; used by CMakeLists.txt under pip install)."""
+    parser = subparsers.add_parser("prepare", help="fetch the pin and apply the series; print the tree")
+    parser.add_argument("--json", action="store_true", help="print {source_dir, pin, series_hash} as JSON")
+    parser.set_defaults(func=_run_prepare)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+
+    from hotggml import prepare
+
+    # under CMake, stdout must carry the JSON alone: progress goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        prep = prepare.prepare()
+    if args.json:
+        print(json.dumps({"source_dir": str(prep.source_dir), "pin": prep.pin, "series_hash": prep.series_hash}))
+    else:
+        print(f"patched tree {prep.source_dir}: pin {prep.pin[:12]}, series {prep.series_hash[:12]}")
+    return 0
+
+
+def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `build --backend cpu|cuda [--jobs N] [--cuda-arch A]`."""
+    parser = subparsers.add_parser("build", help="CMake build of the patched tree, keyed by pin + series")
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 on an H200)")
+    parser.set_defaults(func=_run_build)
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    from hotggml import build
+
+    info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)
+    state = "built" if info.rebuilt else "up to date, not rebuilt"
+    print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, series {info.series_hash[:12]})")
+    return 0
+
+
+# -- tools ------------------------------------------------------------------------------
+
+def _threads(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"threads must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("threads must be >= 1")
+    return values
+
+
+def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
+    parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
+    parser.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real"),
+                        help="case set (repeatable; default smoke)")
+    parser.add_argument("-p", dest="pattern", default=None, help="regex on case ids")
+    parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
+    parser.add_argument("--prec", choices=("default", "f32"), default="f32")
+    parser.add_argument("--no-chain", action="store_true", help="skip the exact-chain arm")
+    parser.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    parser.set_defaults(func=_run_parity)
+
+
+def resolve_device(backend: str) -> str:
+    """cpu -> CPU, cuda -> CUDA0, vulkan -> Vulkan0; a registry device name passes through."""
+    return {"cpu": "CPU", "cuda": "CUDA0", "vulkan": "Vulkan0"}.get(backend.lower(), backend)
+
+
+def _run_parity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hotggml import cases, parity
+
+    selected = cases.select(args.sets or ["smoke"], args.pattern)
+    if not selected:
+        print("no case matches", file=sys.stderr)
+        return 2
+    device = resolve_device(args.backend)
+    results = []
+    for case in selected:
+        res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain)
+        print(f"{'PASS' if res.passed else 'FAIL'} {case.id}", file=sys.stderr, flush=True)
+        results.append(res)
+    print(parity.table(results))
+    if args.json:
+        Path(args.json).write_text(parity.to_json(results) + "\n")
+    failed = [r.case for r in results if not r.passed]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `memory [--backend NAME] [--seq 625,1250,3000]`."""
+    parser = subparsers.add_parser("memory", help="allocator arena bytes, fused vs exact chain (reserve only)")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--seq", type=_threads, default=None, help="sequence lengths S (= Skv)")
+    parser.set_defaults(func=_run_memory)
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from hotggml import bench
+
+    rows = bench.memory_table(seq_lens=tuple(args.seq or bench.MEMORY_S), device=resolve_device(args.backend))
+    print(f"fwd+bwd graph arena at DiT full attention (Nh16 Nkv8 D128, no mask), {args.backend}:")
+    print(bench.format_memory(rows))
+    return 0
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench [--backend NAME] [--case ID] [--threads N] [--runs N]`."""
+    parser = subparsers.add_parser("bench", help="paired interleaved fwd+bwd timing, fused vs exact chain")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--case", default="dit-self-full-1250", help="a case id from the smoke/real sets")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from hotggml import bench, cases
+
+    found = [c for c in cases.SMOKE + cases.REAL if c.id == args.case]
+    if not found:
+        print(f"unknown case {args.case!r}", file=sys.stderr)
+        return 2
+    result = bench.time_pair(found[0], resolve_device(args.backend), args.threads, args.runs)
+    print(bench.format_timing(result))
+    return 0

@@ -1,9 +1,9 @@
 """Graphs on a named backend: tensors to and from NumPy, autodiff, allocator arenas, compute.
 
 Shapes are in ggml order (``ne[0]`` fastest): a NumPy array of shape (B, Nh, S, D) is the ggml
-tensor [D, S, Nh, B]. Everything lives in one no-alloc ggml context; the graph allocator
-(gallocr) places all tensors, inputs included, in one arena on the backend, so the arena
-size is the memory the graph needs there.
+tensor [D, S, Nh, B]. Inputs and parameters live in their own context and backend buffer (as in
+ggml-opt: they are owned by the caller); every node of the graph is placed by the graph
+allocator (gallocr) in one arena, whose size is the compute memory the graph needs.
 """
 
 from __future__ import annotations
@@ -130,15 +130,18 @@ class Graph:
         self.max_nodes = max_nodes
         mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
         self.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
-        if self.ctx == ffi.NULL:
+        self.ctx_in = self.lib.ggml_init({"mem_size": self.lib.ggml_tensor_overhead() * 256,
+                                          "mem_buffer": ffi.NULL, "no_alloc": True})
+        if self.ctx == ffi.NULL or self.ctx_in == ffi.NULL:
             raise MemoryError("ggml_init failed")
+        self._in_buf = None
         self.gf = None
         self._galloc = None
         self._uploads: list[tuple[Tensor, np.ndarray]] = []
         self._loss: Tensor | None = None
 
     # -- leaves -------------------------------------------------------------------------
-    def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None) -> Tensor:
+    def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
         """An uninitialised tensor of shape ne (ggml order); dtype float32 or float16."""
         dtype = np.dtype(dtype)
         if dtype not in _GGML_TYPES:
@@ -146,7 +149,7 @@ class Graph:
         if not 1 <= len(ne) <= GGML_MAX_DIMS or any(int(n) < 1 for n in ne):
             raise ValueError(f"bad shape {ne}: 1 to 4 positive dims in ggml order")
         ne_c = ffi.new("int64_t[4]", [int(n) for n in ne] + [1] * (GGML_MAX_DIMS - len(ne)))
-        ptr = self.lib.ggml_new_tensor(self.ctx, _GGML_TYPES[dtype], GGML_MAX_DIMS, ne_c)
+        ptr = self.lib.ggml_new_tensor(_ctx or self.ctx, _GGML_TYPES[dtype], GGML_MAX_DIMS, ne_c)
         if name:
             self.lib.ggml_set_name(ptr, name.encode()[:63])
         return Tensor(self, ptr)
@@ -157,7 +160,9 @@ class Graph:
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
             raise TypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
-        t = self.new_tensor(ggml_shape(array.shape), dtype, name)
+        if self._in_buf is not None:
+            raise RuntimeError("inputs must be created before build()")
+        t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
         self._uploads.append((t, np.ascontiguousarray(array, dtype=dtype)))
         return t
@@ -247,7 +252,11 @@ class Graph:
                 if g != ffi.NULL:
                     self.lib.ggml_set_output(g)
                     self.lib.ggml_build_forward_expand(self.gf, g)
-
+        # inputs get their own buffer now, so the arena measures the graph's compute memory only
+        buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
+        if buf == ffi.NULL and self._uploads:
+            raise MemoryError("input buffer allocation failed on " + self.backend.device_name)
+        self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free) if buf != ffi.NULL else None
     def find_nodes(self, op: int) -> list[Tensor]:
         """Graph nodes whose op is ``op`` (an enum ggml_op value)."""
         return [t for t in self.nodes() if t.op == op]
@@ -329,7 +338,9 @@ class Graph:
     def close(self) -> None:
         if self.ctx is not None:
             self._galloc = None
+            self._in_buf = None
             self.lib.ggml_free(self.ctx)
+            self.lib.ggml_free(self.ctx_in)
             self.ctx = None
 
     def __enter__(self):
