@@ -53,9 +53,18 @@ def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, s
     return defines
 
 
+def _recipe_hash() -> str:
+    """Hash of our own build recipe (CMakeLists.txt, the stamp source): a change means a new build."""
+    h = hashlib.sha256()
+    for rel in ("CMakeLists.txt", "hotggml/csrc/stamp.c.in"):
+        h.update((paths.REPO_ROOT / rel).read_bytes())
+    return h.hexdigest()
+
+
 def build_key(pin: str, series_hash: str, defines: dict[str, str]) -> str:
-    """16 hex digits identifying (pin, series, options); the build folder's name ends with it."""
-    blob = json.dumps({"pin": pin, "series": series_hash, "defines": defines}, sort_keys=True)
+    """16 hex digits identifying (pin, series, options, recipe); the build folder's name ends with it."""
+    blob = json.dumps({"pin": pin, "series": series_hash, "defines": defines, "recipe": _recipe_hash()},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
