@@ -99,8 +99,8 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     """
     from hotggml import prepare
 
+    defines = cmake_defines(backend, cuda_arch, extra_defines)  # validates the backend name first
     prep = prepare.prepare()
-    defines = cmake_defines(backend, cuda_arch, extra_defines)
     bdir = build_dir_for(backend, prep.pin, prep.series_hash, defines)
     info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=False)
     if _is_complete(bdir):
@@ -132,12 +132,22 @@ def _set_current(info: BuildInfo) -> None:
     os.replace(tmp, pointer)
 
 
-def current_lib_dir(backend: str | None = None) -> Path | None:
-    """Library folder of the newest good build (of ``backend``, else cuda then cpu), or None."""
+def current_lib_dir(backend: str | None = None, series_hash: str | None = None) -> Path | None:
+    """Library folder of the newest good build of ``backend`` (else cuda, then cpu), or None.
+
+    With ``series_hash``, a build of that series is preferred over any other (a CUDA build of an
+    old series must not shadow a fresh CPU build); without a match the newest build is returned
+    and the binding's stamp check reports it stale.
+    """
+    found = []
     for name in ([backend] if backend else ["cuda", "cpu"]):
         pointer = paths.build_root() / f"current-{name}.json"
         if pointer.is_file():
-            lib_dir = Path(json.loads(pointer.read_text())["lib_dir"])
+            record = json.loads(pointer.read_text())
+            lib_dir = Path(record["lib_dir"])
             if (lib_dir / "hotggml-build.json").is_file():
-                return lib_dir
-    return None
+                found.append((record.get("series_hash"), lib_dir))
+    for series, lib_dir in found:
+        if series_hash is None or series == series_hash:
+            return lib_dir
+    return found[0][1] if found else None

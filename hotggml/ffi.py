@@ -182,7 +182,7 @@ def find_lib_dir() -> Path:
     candidates.append(_package_lib_dir())
     from hotggml import build  # the binding only needs to know where the built library is
 
-    current = build.current_lib_dir()
+    current = build.current_lib_dir(series_hash=_checkout_series_hash())
     if current is not None:
         candidates.append(current)
     for cand in candidates:
@@ -191,6 +191,17 @@ def find_lib_dir() -> Path:
             return cand
     raise LibraryError("no built ggml library found (looked in: " + ", ".join(looked) +
                        "); run `hotggml build --backend cpu` (or `pip install .`)")
+
+
+def _checkout_series_hash() -> str | None:
+    """Series hash of this checkout's patches/, or None for an installed package without one."""
+    from hotggml import paths
+
+    if not paths.PATCHES_DIR.joinpath("series").is_file():
+        return None
+    from hotggml import patches
+
+    return patches.series_hash()
 
 
 def _lib_file_name() -> str:
@@ -204,9 +215,9 @@ def expected_stamp(lib_dir: Path) -> dict:
     from hotggml import paths
 
     if paths.PATCHES_DIR.joinpath("series").is_file() and lib_dir != _package_lib_dir():
-        from hotggml import patches, pin
+        from hotggml import pin
 
-        return {"pin": pin.UPSTREAM_COMMIT, "series_hash": patches.series_hash()}
+        return {"pin": pin.UPSTREAM_COMMIT, "series_hash": _checkout_series_hash()}
     return json.loads((lib_dir / "hotggml-build.json").read_text())
 
 

@@ -46,14 +46,14 @@ class Backend:
             names = ", ".join(name for name, _ in devices())
             raise BackendError(f"backend device {device_name!r} is not in this build's registry (have: {names}); "
                                "build it (e.g. `hotggml build --backend cuda`) on a machine that has it")
-        self.device_name = device_name
+        self.device_name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()  # the registry's spelling
         self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
         self._dev = dev
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
             raise BackendError(f"backend device {device_name!r} failed to initialise")
         if n_threads is not None:
-            if device_name != "CPU":
+            if self.device_name != "CPU":
                 raise ValueError("n_threads applies to the CPU backend only")
             if n_threads < 1:
                 raise ValueError(f"n_threads must be >= 1, got {n_threads}")
@@ -124,13 +124,15 @@ class Graph:
     loss)``, then either ``arena_bytes()`` (reserve only) or ``compute()`` and ``read``/``grad``.
     """
 
+    MAX_INPUTS = 4096  # leaves (inputs, params, loss weights) one graph may hold
+
     def __init__(self, backend: Backend, max_nodes: int = 16384):
         self.lib = load()
         self.backend = backend
         self.max_nodes = max_nodes
         mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
         self.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
-        self.ctx_in = self.lib.ggml_init({"mem_size": self.lib.ggml_tensor_overhead() * 256,
+        self.ctx_in = self.lib.ggml_init({"mem_size": self.lib.ggml_tensor_overhead() * self.MAX_INPUTS,
                                           "mem_buffer": ffi.NULL, "no_alloc": True})
         if self.ctx == ffi.NULL or self.ctx_in == ffi.NULL:
             raise MemoryError("ggml_init failed")
@@ -160,8 +162,10 @@ class Graph:
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
             raise TypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
-        if self._in_buf is not None:
+        if self.gf is not None:
             raise RuntimeError("inputs must be created before build()")
+        if len(self._uploads) >= self.MAX_INPUTS:
+            raise ValueError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
         self._uploads.append((t, np.ascontiguousarray(array, dtype=dtype)))
@@ -234,6 +238,8 @@ class Graph:
     # -- graph ----------------------------------------------------------------------------
     def build(self, outputs: list[Tensor], loss: Tensor | None = None) -> None:
         """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
+        if self.gf is not None:
+            raise RuntimeError("build() was already called on this Graph")
         self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
         for t in outputs:
             self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)

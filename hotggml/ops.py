@@ -52,6 +52,8 @@ def _set_prec(t: Tensor, prec: str) -> None:
 
 def get_prec(t: Tensor) -> str:
     """Requested precision of a flash_attn_train(_back) node: 'default' or 'f32'."""
+    if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
+        raise ValueError(f"get_prec needs a flash_attn_train(_back) node, got a {t.op_name} node")
     return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
 
 
@@ -69,13 +71,25 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     return t
 
 
+OP_FLASH_ATTN_TRAIN = 97       # enum ggml_op values the flash-attn-train patch appends
+OP_FLASH_ATTN_TRAIN_BACK = 98
+
+
+def _need_op(t: Tensor, op: int, what: str) -> None:
+    if t.op != op:
+        raise ValueError(f"{what} must be a {'flash_attn_train' if op == OP_FLASH_ATTN_TRAIN else 'flash_attn_train_back'} "
+                         f"node, got a {t.op_name} node")
+
+
 def get_o(fwd: Tensor) -> Tensor:
     """View O [Dv, Nh, S, B] of a packed forward."""
+    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
     return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_o(fwd.graph.ctx, fwd.ptr))
 
 
 def get_lse(fwd: Tensor) -> Tensor:
     """View LSE [Nh, S, B] of a packed forward."""
+    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
     return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_lse(fwd.graph.ctx, fwd.ptr))
 
 
@@ -84,6 +98,7 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
 
     Precision and scale are copied from fwd. Views: get_dq, get_dk, get_dv.
     """
+    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
     if d.dtype != np.float32 or not d.is_contiguous():
         raise TypeError("d must be contiguous float32")
@@ -94,12 +109,18 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
 
 
 def get_dq(back: Tensor) -> Tensor:
+    """View dQ (contiguous, shape of q) of a packed backward."""
+    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
     return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dq(back.graph.ctx, back.ptr))
 
 
 def get_dk(back: Tensor) -> Tensor:
+    """View dK (contiguous, shape of k) of a packed backward."""
+    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
     return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dk(back.graph.ctx, back.ptr))
 
 
 def get_dv(back: Tensor) -> Tensor:
+    """View dV (contiguous, shape of v) of a packed backward."""
+    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
     return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dv(back.graph.ctx, back.ptr))

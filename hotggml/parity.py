@@ -28,8 +28,8 @@ from hotggml.graph import Backend, Graph
 BARS = {"f32": 1e-4, "tf32": 5e-3}
 FLOOR = 1e-5
 OUTPUTS = ("O", "LSE", "dQ", "dK", "dV")
-OP_FLASH_ATTN_TRAIN = 97       # enum ggml_op values the flash-attn-train patch appends (hotggml.ffi cdef)
-OP_FLASH_ATTN_TRAIN_BACK = 98
+OP_FLASH_ATTN_TRAIN = ops.OP_FLASH_ATTN_TRAIN
+OP_FLASH_ATTN_TRAIN_BACK = ops.OP_FLASH_ATTN_TRAIN_BACK
 
 
 def rel_err(x: np.ndarray, ref: np.ndarray, floor: float = FLOOR) -> float:

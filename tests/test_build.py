@@ -1,0 +1,88 @@
+"""Keyed builds: an identical build is reused, anything that changes the key gets a new folder."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hotggml import build, paths, patches, pin
+from hotggml.errors import BuildError
+
+PIN = "eced84c86f8b012c752c016f7fe789adea168e1e"
+
+
+def test_second_build_is_reused(cpu_build):
+    first = build.build("cpu")
+    second = build.build("cpu")
+    assert second.rebuilt is False
+    assert second.build_dir == first.build_dir == cpu_build.build_dir
+    assert second.lib_dir == second.build_dir / "lib"
+    assert (second.lib_dir / "hotggml-build.json").is_file()
+    assert (second.build_dir / ".complete").is_file()
+    assert second.pin == pin.UPSTREAM_COMMIT == PIN
+    assert second.series_hash == patches.series_hash()
+    defines = build.cmake_defines("cpu")
+    assert second.build_dir == build.build_dir_for("cpu", second.pin, second.series_hash, defines)
+    assert build.current_lib_dir("cpu") == second.lib_dir
+
+
+def test_build_key_is_deterministic_and_short():
+    d = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON"}
+    key = build.build_key(PIN, "a" * 64, d)
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    assert build.build_key(PIN, "a" * 64, dict(d)) == key
+    assert build.build_key(PIN, "a" * 64, dict(reversed(list(d.items())))) == key  # option order is irrelevant
+
+
+def test_build_key_changes_with_inputs():
+    d = build.cmake_defines("cpu")
+    base = build.build_key(PIN, "a" * 64, d)
+    assert build.build_key(PIN, "b" * 64, d) != base                                  # series hash
+    assert build.build_key("f" * 40, "a" * 64, d) != base                             # pin
+    assert build.build_key(PIN, "a" * 64, {**d, "GGML_NATIVE": "OFF"}) != base        # a define's value
+    assert build.build_key(PIN, "a" * 64, {**d, "GGML_AVX2": "ON"}) != base           # an extra define
+    assert build.build_key(PIN, "a" * 64, build.cmake_defines("cuda")) != base        # the backend's options
+
+
+def test_build_key_changes_with_recipe(monkeypatch):
+    if not hasattr(build, "_recipe_hash"):
+        pytest.skip("build key has no recipe component")
+    d = build.cmake_defines("cpu")
+    base = build.build_key(PIN, "a" * 64, d)
+    monkeypatch.setattr(build, "_recipe_hash", lambda: "0" * 64)
+    assert build.build_key(PIN, "a" * 64, d) != base
+
+
+def test_build_dir_for():
+    d = build.cmake_defines("cpu")
+    bdir = build.build_dir_for("cpu", PIN, "a" * 64, d)
+    assert bdir.parent == paths.build_root()
+    assert bdir.name == "cpu-" + build.build_key(PIN, "a" * 64, d)
+    assert build.build_dir_for("cpu", PIN, "b" * 64, d) != bdir
+
+
+def test_cmake_defines():
+    cpu = build.cmake_defines("cpu")
+    assert cpu["CMAKE_BUILD_TYPE"] == "Release"
+    assert "GGML_CUDA" not in cpu
+    cuda = build.cmake_defines("cuda")
+    assert cuda["GGML_CUDA"] == "ON"
+    assert cuda["GGML_CUDA_FA"] == "OFF"        # upstream's inference FA kernels are not built
+    assert cuda["CMAKE_CUDA_ARCHITECTURES"] == "native"
+    assert build.cmake_defines("cuda", cuda_arch="90")["CMAKE_CUDA_ARCHITECTURES"] == "90"
+    assert build.cmake_defines("cpu", extra={"GGML_NATIVE": "OFF"})["GGML_NATIVE"] == "OFF"
+    # the defaults are not shared mutable state
+    cpu["X"] = "1"
+    assert "X" not in build.cmake_defines("cpu")
+
+
+@pytest.mark.parametrize("name", ["nope", "CPU", "vulkan", ""])
+def test_cmake_defines_unknown_backend(name):
+    with pytest.raises(BuildError, match="unknown backend"):
+        build.cmake_defines(name)
+
+
+def test_build_unknown_backend(cpu_build):
+    with pytest.raises(BuildError, match="unknown backend"):
+        build.build("nope")

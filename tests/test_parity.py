@@ -1,0 +1,119 @@
+"""Parity of the fused ops on the CPU against the exact chain and the float64 oracle (SPEC §6),
+and guards that the comparison itself can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hotggml import cases, parity
+from hotggml.cases import Case
+
+
+@pytest.mark.parametrize("case", cases.SMOKE, ids=lambda c: c.id)
+def test_smoke_case(lib, case):
+    result = parity.run_case(case, "CPU", threads=[1, 2])
+    assert result.passed, f"{case.id} ({case.shape}): " + "; ".join(result.failures)
+    # the verdict rests on real comparisons at the f32 bar
+    assert result.bar == parity.BARS["f32"] == 1e-4
+    assert set(result.errors["fused~oracle"]) >= {"O", "LSE", "dQ", "dK", "dV"}
+    assert result.checks["bitwise_across_threads"] is True
+    for name in ("dQ", "dK", "dV"):
+        assert result.checks[f"{name}_ref_nonzero"] is True
+
+
+@pytest.mark.parametrize("case_id,check", [
+    ("masked-rows", "masked_rows_dQ_zero"),
+    ("masked-rows", "masked_rows_O_zero"),
+    ("masked-rows", "masked_rows_LSE_zero"),
+    ("batch-padding-cross", "masked_cols_dK_dV_zero"),
+    ("batch-bias-per-batch", "masked_cols_dK_dV_zero"),
+])
+def test_exact_checks_are_exercised(lib, case_id, check):
+    case = next(c for c in cases.SMOKE if c.id == case_id)
+    result = parity.run_case(case, "CPU", threads=[2], with_chain=False)
+    assert check in result.checks, f"{case_id} does not exercise {check}: {sorted(result.checks)}"
+    assert result.checks[check] is True
+
+
+def test_lse_gap_is_exercised():
+    """At least one smoke case has an alignment gap between O and LSE (O's float count % 4 != 0)."""
+    assert any((c.dv * c.Nh * c.S * c.B) % 4 for c in cases.SMOKE)
+
+
+# -- the comparison can fail ------------------------------------------------------------------
+
+def _oracle_pair(case_id="gqa-band"):
+    case = next(c for c in cases.SMOKE if c.id == case_id)
+    ref = parity.run_oracle(case)
+    live = np.ones((case.B, case.S), dtype=bool)
+    return case, ref, live
+
+
+def test_compare_flags_a_corrupted_dk():
+    _, ref, live = _oracle_pair()
+    exact = parity._compare(dataclasses.replace(ref), ref, live)
+    assert all(err == 0 for err in exact.values())
+    bad = dataclasses.replace(ref, dk=ref.dk * 1.001)
+    errs = parity._compare(bad, ref, live)
+    assert errs["dK"] > 1e-4 and errs["dK"] == pytest.approx(1e-3, rel=1e-6)
+    assert errs["dQ"] == 0 and errs["dV"] == 0 and errs["O"] == 0
+
+
+@pytest.mark.parametrize("field", ["o", "lse", "dq", "dv"])
+def test_compare_flags_each_output(field):
+    _, ref, live = _oracle_pair()
+    bad = dataclasses.replace(ref, **{field: getattr(ref, field) * 1.001})
+    errs = parity._compare(bad, ref, live)
+    key = {"o": "O", "lse": "LSE", "dq": "dQ", "dv": "dV"}[field]
+    assert errs[key] > 1e-4
+
+
+def test_compare_flags_nan():
+    _, ref, live = _oracle_pair()
+    dq = ref.dq.copy()
+    dq[0, 0, 0, 0] = np.nan
+    assert parity._compare(dataclasses.replace(ref, dq=dq), ref, live)["dQ"] == float("inf")
+
+
+def test_run_case_fails_on_corrupted_fused(lib, monkeypatch):
+    """End to end: a fused arm that is 0.1% off in dK, or leaves the O/LSE gap dirty, fails the case."""
+    real = parity.run_fused
+    case = next(c for c in cases.SMOKE if c.id == "odd-causal-cross")
+
+    def off_dk(case, backend, prec="default"):
+        r = real(case, backend, prec)
+        return dataclasses.replace(r, dk=r.dk * np.float32(1.001))
+
+    monkeypatch.setattr(parity, "run_fused", off_dk)
+    res = parity.run_case(case, "CPU", threads=[2])
+    assert not res.passed
+    assert any(f.startswith("fused~oracle dK") for f in res.failures), res.failures
+
+    def dirty_gap(case, backend, prec="default"):
+        return dataclasses.replace(real(case, backend, prec), lse_gap_zero=False)
+
+    monkeypatch.setattr(parity, "run_fused", dirty_gap)
+    res = parity.run_case(case, "CPU", threads=[2], with_chain=False)
+    assert not res.passed and "check lse_gap_zero failed" in res.failures
+
+
+def test_vacuous_case_fails(lib):
+    """S = Skv = 1: softmax is constant, dQ = dK = 0 -> the non-zero reference check fails the case."""
+    res = parity.run_case(Case("vacuous", D=4, S=1, Skv=1), "CPU", threads=[2], with_chain=False)
+    assert not res.passed
+    assert "check dQ_ref_nonzero failed" in res.failures
+    assert "check dK_ref_nonzero failed" in res.failures
+
+
+def test_rel_err():
+    assert parity.rel_err(np.array([1.0, 2.0]), np.array([1.0, 2.5])) == pytest.approx(0.2)
+    assert parity.rel_err(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+    assert parity.rel_err(np.array([np.inf, 1.0]), np.array([1.0, 1.0])) == float("inf")
+    # floor: against an all-zero reference the error is relative to 1e-5
+    assert parity.rel_err(np.array([1e-6]), np.array([0.0])) == pytest.approx(0.1)
+    assert parity.rel_err(np.zeros(0), np.zeros(0)) == 0.0
+    with pytest.raises(ValueError):
+        parity.rel_err(np.zeros(3), np.zeros(4))
