@@ -8,5 +8,7 @@ hotggml fetch
 hotggml patches check
 hotggml patches apply
 hotggml build --backend cpu
+hotggml build --backend cpu --define GGML_RPC=ON   # every GGML_OP_COUNT check agrees (ggml-rpc.h has one)
 hotggml parity --backend cpu --set smoke --set real --threads 1,2 --json .hotggml/reports/parity-cpu.json
 hotggml memory --backend cpu
+hotggml bench --backend cpu --case dit-self-full-1250 --runs 5

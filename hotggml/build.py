@@ -103,8 +103,12 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     prep = prepare.prepare()
     bdir = build_dir_for(backend, prep.pin, prep.series_hash, defines)
     info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=False)
+    # the binding loads the plain build of a backend; builds with extra options (e.g. GGML_RPC=ON
+    # in the CI gate) are checked for building, not pointed at
+    point = not extra_defines
     if _is_complete(bdir):
-        _set_current(info)
+        if point:
+            _set_current(info)
         return info
 
     bdir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +123,8 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     (bdir / ".complete").write_text(json.dumps({"pin": prep.pin, "series_hash": prep.series_hash,
                                                  "defines": defines}, indent=1) + "\n")
     info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=True)
-    _set_current(info)
+    if point:
+        _set_current(info)
     return info
 
 

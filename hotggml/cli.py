@@ -172,13 +172,22 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 on an H200)")
+    parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key)")
     parser.set_defaults(func=_run_build)
 
 
 def _run_build(args: argparse.Namespace) -> int:
     from hotggml import build
 
-    info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)
+    extra = {}
+    for item in args.define:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"hotggml: error: --define wants KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        extra[key] = value
+    info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra)
     state = "built" if info.rebuilt else "up to date, not rebuilt"
     print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, series {info.series_hash[:12]})")
     return 0
