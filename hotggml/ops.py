@@ -77,20 +77,24 @@ OP_FLASH_ATTN_TRAIN_BACK = 98
 
 def _need_op(t: Tensor, op: int, what: str) -> None:
     if t.op != op:
-        raise ValueError(f"{what} must be a {'flash_attn_train' if op == OP_FLASH_ATTN_TRAIN else 'flash_attn_train_back'} "
-                         f"node, got a {t.op_name} node")
+        want = "flash_attn_train" if op == OP_FLASH_ATTN_TRAIN else "flash_attn_train_back"
+        raise ValueError(f"{what} must be a {want} node, got a {t.op_name} node")
+
+
+def _view(node: Tensor, op: int, what: str, getter: str) -> Tensor:
+    """One of the C view getters of a packed node, after checking the node's op (ggml asserts it)."""
+    _need_op(node, op, what)
+    return Tensor(node.graph, getattr(node.graph.lib, getter)(node.graph.ctx, node.ptr))
 
 
 def get_o(fwd: Tensor) -> Tensor:
     """View O [Dv, Nh, S, B] of a packed forward."""
-    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
-    return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_o(fwd.graph.ctx, fwd.ptr))
+    return _view(fwd, OP_FLASH_ATTN_TRAIN, "fwd", "ggml_flash_attn_train_get_o")
 
 
 def get_lse(fwd: Tensor) -> Tensor:
     """View LSE [Nh, S, B] of a packed forward."""
-    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
-    return Tensor(fwd.graph, fwd.graph.lib.ggml_flash_attn_train_get_lse(fwd.graph.ctx, fwd.ptr))
+    return _view(fwd, OP_FLASH_ATTN_TRAIN, "fwd", "ggml_flash_attn_train_get_lse")
 
 
 def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
@@ -102,7 +106,7 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
     if d.dtype != np.float32 or not d.is_contiguous():
         raise TypeError("d must be contiguous float32")
-    o_ne = get_o(fwd).ne
+    o_ne = (int(v.ne[0]), int(q.ne[2]), int(q.ne[1]), int(q.ne[3]))  # [Dv, Nh, S, B]
     if d.ne != o_ne and d.ne != fwd.ne:
         raise ValueError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
     return Tensor(g, g.lib.ggml_flash_attn_train_back(g.ctx, q, k, v, mask, fwd.ptr, d.ptr))
@@ -110,17 +114,14 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
 
 def get_dq(back: Tensor) -> Tensor:
     """View dQ (contiguous, shape of q) of a packed backward."""
-    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
-    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dq(back.graph.ctx, back.ptr))
+    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dq")
 
 
 def get_dk(back: Tensor) -> Tensor:
     """View dK (contiguous, shape of k) of a packed backward."""
-    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
-    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dk(back.graph.ctx, back.ptr))
+    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dk")
 
 
 def get_dv(back: Tensor) -> Tensor:
     """View dV (contiguous, shape of v) of a packed backward."""
-    _need_op(back, OP_FLASH_ATTN_TRAIN_BACK, "back")
-    return Tensor(back.graph, back.graph.lib.ggml_flash_attn_train_back_get_dv(back.graph.ctx, back.ptr))
+    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dv")
