@@ -8,6 +8,7 @@ These are claims for tools, never unit tests: the machines are noisy.
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass, replace
 
@@ -84,7 +85,12 @@ class TimingResult:
 
 def time_pair(case: Case, device: str = "CPU", threads: int | None = None, runs: int = 5,
               warmup: int = 1) -> TimingResult:
-    """Time fused vs chain fwd+bwd at ``case``, interleaved, ``runs`` (>= 3) per arm after warmup."""
+    """Time fused vs chain fwd+bwd at ``case``, interleaved, ``runs`` (>= 3) per arm after warmup.
+
+    On the CPU, ``threads`` defaults to the machine's core count (ggml's own default is 4).
+    """
+    if threads is None and device.upper() == "CPU":
+        threads = os.cpu_count() or 1
     if runs < 3:
         raise ValueError("runs must be >= 3 (medians of fewer are not worth quoting)")
     with Backend(device, n_threads=threads) as be, Graph(be) as gf, Graph(be) as gc:
@@ -102,7 +108,8 @@ def time_pair(case: Case, device: str = "CPU", threads: int | None = None, runs:
 
 
 def format_timing(t: TimingResult) -> str:
-    return (f"{t.case} on {t.device} ({t.threads or 'default'} threads), fwd+bwd, {len(t.fused_s)} runs/arm interleaved:\n"
+    threads = f"{t.threads} threads" if t.threads else "default threads"
+    return (f"{t.case} on {t.device} ({threads}), fwd+bwd, {len(t.fused_s)} runs/arm interleaved:\n"
             f"  fused median {t.fused_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.fused_s) + "\n"
             f"  chain median {t.chain_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.chain_s) + "\n"
             f"  fused/chain time ratio {t.ratio:.3f}")
