@@ -453,3 +453,21 @@ def test_deterministic_across_threads(lib):
     for a, b in zip(*outs):
         assert np.all(np.isfinite(a))
         assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_nan_score_propagates_instead_of_reading_as_masked(cpu):
+    """A NaN in q reaches O and LSE of its row (a fully masked row is decided by the mask, not by
+    the softmax sum): training must see divergence, not a silently zeroed row."""
+    q, k, v = _inputs(S=5, Skv=40)  # Skv > one key tile
+    q[0, 1, 2, 3] = np.nan           # batch 0, head 1, query 2
+    with Graph(cpu) as g:
+        fwd = ops.flash_attn_train(g, g.input(q), g.input(k), g.input(v), None, 0.5)
+        o, lse = ops.get_o(fwd), ops.get_lse(fwd)
+        g.build([o, lse])
+        g.compute()
+        O = g.read(o)[0]      # (S, Nh, Dv)
+        L = g.read(lse)[0, 0]  # (S, Nh)
+    assert np.all(np.isnan(O[2, 1])) and np.isnan(L[2, 1])
+    finite = np.ones(O.shape[:2], bool)
+    finite[2, 1] = False
+    assert np.all(np.isfinite(O[finite])) and np.all(np.isfinite(L[finite]))
