@@ -155,4 +155,10 @@ def current_lib_dir(backend: str | None = None, series_hash: str | None = None) 
     for series, lib_dir in found:
         if series_hash is None or series == series_hash:
             return lib_dir
+    # an older good build of this very series (e.g. after a patch edit was reverted): no rebuild needed
+    for name in ([backend] if backend else ["cuda", "cpu"]):
+        for done in sorted(paths.build_root().glob(f"{name}-*/.complete"), key=lambda p: p.stat().st_mtime, reverse=True):
+            record = json.loads(done.read_text())
+            if record.get("series_hash") == series_hash and record.get("defines") == cmake_defines(name):
+                return done.parent / "lib"
     return found[0][1] if found else None

@@ -36,9 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except HotggmlError as exc:
+    except (HotggmlError, ValueError) as exc:  # ValueError: bad input caught in Python before any C call
         print(f"hotggml: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +75,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
 
     result = pin.fetch(args.sdist, force=args.force)
     what = "verified" if not result.changed else f"materialized from {result.source}"
-    print(f"pin ggml {pin.TAG} at {result.path}: {what}, commit {result.commit}")
+    local = "" if result.commit == pin.UPSTREAM_COMMIT else f", local commit {result.commit[:12]} (same trees)"
+    print(f"pin ggml {pin.TAG} (upstream {pin.UPSTREAM_COMMIT[:12]}) at {result.path}: {what}{local}")
     return 0
 
 
@@ -173,7 +177,8 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 on an H200)")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key)")
+                        help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key; such builds "
+                             "are checked to build, the tools keep loading the plain build)")
     parser.set_defaults(func=_run_build)
 
 
@@ -211,12 +216,29 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real"),
                         help="case set (repeatable; default smoke)")
-    parser.add_argument("-p", dest="pattern", default=None, help="regex on case ids")
+    parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
     parser.add_argument("--prec", choices=("default", "f32"), default="f32")
     parser.add_argument("--no-chain", action="store_true", help="skip the exact-chain arm")
     parser.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     parser.set_defaults(func=_run_parity)
+
+
+def _regex(text: str) -> str:
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"bad regex {text!r}: {exc}") from None
+    return text
+
+
+def _runs(text: str) -> int:
+    value = int(text)
+    if value < 3:
+        raise argparse.ArgumentTypeError("runs must be >= 3 (medians of fewer are not worth quoting)")
+    return value
 
 
 def resolve_device(backend: str) -> str:
@@ -231,7 +253,10 @@ def _run_parity(args: argparse.Namespace) -> int:
 
     selected = cases.select(args.sets or ["smoke"], args.pattern)
     if not selected:
-        print("no case matches", file=sys.stderr)
+        print(f"hotggml: error: no case of {args.sets or ['smoke']} matches {args.pattern!r}", file=sys.stderr)
+        return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"hotggml: error: --json {args.json}: no such folder", file=sys.stderr)
         return 2
     device = resolve_device(args.backend)
     results = []
@@ -270,7 +295,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--case", default="dit-self-full-1250", help="a case id from the smoke/real sets")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
     parser.set_defaults(func=_run_bench)
 
 
@@ -279,7 +304,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     found = [c for c in cases.SMOKE + cases.REAL if c.id == args.case]
     if not found:
-        print(f"unknown case {args.case!r}", file=sys.stderr)
+        known = ", ".join(c.id for c in cases.SMOKE + cases.REAL)
+        print(f"hotggml: error: unknown case {args.case!r} (known: {known})", file=sys.stderr)
         return 2
     result = bench.time_pair(found[0], resolve_device(args.backend), args.threads, args.runs)
     print(bench.format_timing(result))

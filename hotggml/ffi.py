@@ -242,10 +242,11 @@ def load():
         raise LibraryError(f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
     got, want = parse_stamp(stamp), expected_stamp(lib_dir)
     if got != want:
+        how = ("reinstall the package (`pip install .` from its checkout)" if lib_dir == _package_lib_dir()
+               else "rebuild with `hotggml build --backend cpu` (or --backend cuda)")
         raise LibraryError(
             f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
-            f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; "
-            "rebuild with `hotggml build --backend cpu` (or `pip install .`)")
+            f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
     return lib
 
 

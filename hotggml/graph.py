@@ -45,7 +45,8 @@ class Backend:
         if dev == ffi.NULL:
             names = ", ".join(name for name, _ in devices())
             raise BackendError(f"backend device {device_name!r} is not in this build's registry (have: {names}); "
-                               "build it (e.g. `hotggml build --backend cuda`) on a machine that has it")
+                               "build ggml with that backend on a machine that has the device "
+                               "(for CUDA: `hotggml build --backend cuda`)")
         self.device_name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()  # the registry's spelling
         self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
         self._dev = dev
@@ -141,6 +142,7 @@ class Graph:
         self._galloc = None
         self._uploads: list[tuple[Tensor, np.ndarray]] = []
         self._loss: Tensor | None = None
+        self._computed = False
 
     # -- leaves -------------------------------------------------------------------------
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
@@ -181,13 +183,29 @@ class Graph:
     def _wrap(self, ptr) -> Tensor:
         return Tensor(self, ptr)
 
+    def own(self, *tensors) -> None:
+        """Raise TypeError unless every argument is a Tensor of this (open) Graph.
+
+        A tensor of another graph lives in another context and buffer: ggml would read memory
+        this graph never allocated (garbage), or freed memory.
+        """
+        if self.ctx is None:
+            raise RuntimeError("this Graph is closed")
+        for t in tensors:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"expected a hotggml Tensor, got {type(t).__name__}")
+            if t.graph is not self:
+                raise TypeError("tensor belongs to another Graph")
+
     def permute(self, t: Tensor, *axes: int) -> Tensor:
         """ggml_permute: axes[i] is where source dim i goes."""
+        self.own(t)
         if sorted(axes) != [0, 1, 2, 3]:
             raise ValueError(f"permute needs a permutation of 0..3, got {axes}")
         return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
 
     def reshape(self, t: Tensor, ne: tuple[int, int, int, int]) -> Tensor:
+        self.own(t)
         if not t.is_contiguous():
             raise ValueError("reshape needs a contiguous tensor: cont() it first")
         if int(np.prod(ne)) != int(np.prod(t.ne)):
@@ -195,33 +213,40 @@ class Graph:
         return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *ne))
 
     def cont(self, t: Tensor) -> Tensor:
+        self.own(t)
         return self._wrap(self.lib.ggml_cont(self.ctx, t.ptr))
 
     def repeat(self, t: Tensor, like: Tensor) -> Tensor:
+        self.own(t, like)
         if any(b % a for a, b in zip(t.ne, like.ne)):
             raise ValueError(f"repeat {t.ne} -> {like.ne}: target dims must be multiples")
         return self._wrap(self.lib.ggml_repeat(self.ctx, t.ptr, like.ptr))
 
     def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
         """ggml_mul_mat(a, b) = b a^T per matrix: [K, M] x [K, N] -> [M, N]."""
+        self.own(a, b)
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise ValueError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
         return self._wrap(self.lib.ggml_mul_mat(self.ctx, a.ptr, b.ptr))
 
     def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        self.own(a, *([mask] if mask is not None else []))
         return self._wrap(self.lib.ggml_soft_max_ext(self.ctx, a.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        self.own(a, b)
         if a.ne != b.ne:
             raise ValueError(f"mul shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_mul(self.ctx, a.ptr, b.ptr))
 
     def add(self, a: Tensor, b: Tensor) -> Tensor:
+        self.own(a, b)
         if a.ne != b.ne:
             raise ValueError(f"add shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_add(self.ctx, a.ptr, b.ptr))
 
     def sum(self, a: Tensor) -> Tensor:
+        self.own(a)
         return self._wrap(self.lib.ggml_sum(self.ctx, a.ptr))
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
@@ -240,6 +265,7 @@ class Graph:
         """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
         if self.gf is not None:
             raise RuntimeError("build() was already called on this Graph")
+        self.own(*outputs, *([loss] if loss is not None else []))
         self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
         for t in outputs:
             self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)
@@ -272,6 +298,8 @@ class Graph:
         return [Tensor(self, self.lib.ggml_graph_node(self.gf, i)) for i in range(self.lib.ggml_graph_n_nodes(self.gf))]
 
     def _need_graph(self) -> None:
+        if self.ctx is None:
+            raise RuntimeError("this Graph is closed")
         if self.gf is None:
             raise RuntimeError("call build() first")
 
@@ -320,10 +348,21 @@ class Graph:
         seconds = time.perf_counter() - t0
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
+        self._computed = True
         return seconds
 
     def read(self, t: Tensor) -> np.ndarray:
-        """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured)."""
+        """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured).
+
+        Raises RuntimeError before compute() (nothing is allocated yet) and TypeError for a tensor
+        of another Graph.
+        """
+        self._need_graph()
+        self.own(t)
+        if not self._computed:
+            raise RuntimeError("call compute() before reading tensors")
+        if t.ptr.buffer == ffi.NULL and (t.ptr.view_src == ffi.NULL or t.ptr.view_src.buffer == ffi.NULL):
+            raise ValueError("tensor is not part of the computed graph (no buffer): build() it as an output")
         ne, nb = t.ne, t.nb
         itemsize = np.dtype(t.dtype).itemsize
         span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))

@@ -63,7 +63,10 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
 
     LSE_i = log sum_j exp(scale*q_i.k_j + mask_ij) (natural log). prec: 'default' or 'f32'.
     """
+    g.own(q, k, v, *([mask] if mask is not None else []))
     check_attention_inputs(q, k, v, mask)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not np.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
@@ -83,6 +86,8 @@ def _need_op(t: Tensor, op: int, what: str) -> None:
 
 def _view(node: Tensor, op: int, what: str, getter: str) -> Tensor:
     """One of the C view getters of a packed node, after checking the node's op (ggml asserts it)."""
+    if not isinstance(node, Tensor):
+        raise TypeError(f"{what} must be a hotggml Tensor, got {type(node).__name__}")
     _need_op(node, op, what)
     return Tensor(node.graph, getattr(node.graph.lib, getter)(node.graph.ctx, node.ptr))
 
@@ -102,6 +107,7 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
 
     Precision and scale are copied from fwd. Views: get_dq, get_dk, get_dv.
     """
+    g.own(fwd, d)
     _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
     if d.dtype != np.float32 or not d.is_contiguous():

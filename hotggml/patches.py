@@ -305,7 +305,8 @@ def _marker_present(tree: Path, marker: Marker) -> bool:
 def _check_markers(tree: Path, patch: Patch) -> None:
     for marker in patch.markers:
         if not _marker_present(tree, marker):
-            raise PatchError(f"{patch.path.name}: marker {marker.text!r} not found in {marker.path} after "
+            where = marker.path if (tree / marker.path).is_file() else f"{marker.path} (no such file)"
+            raise PatchError(f"{patch.path.name}: marker {marker.text!r} not found in {where} after "
                              f"applying it: the patch did not land, or the Marker trailer is wrong")
 
 
