@@ -471,3 +471,26 @@ def test_nan_score_propagates_instead_of_reading_as_masked(cpu):
     finite = np.ones(O.shape[:2], bool)
     finite[2, 1] = False
     assert np.all(np.isfinite(O[finite])) and np.all(np.isfinite(L[finite]))
+
+
+def test_misuse_raises_instead_of_crashing(cpu):
+    """Reads before compute, after close, and tensors of another Graph would crash or read garbage in C."""
+    q, k, v = _inputs()
+    with Graph(cpu) as g, Graph(cpu) as other:
+        tq, tk, tv = g.input(q), g.input(k), g.input(v)
+        foreign_k = other.input(k)
+        with pytest.raises(TypeError, match="another Graph"):
+            ops.flash_attn_train(g, tq, foreign_k, tv, None, 0.5)
+        with pytest.raises(TypeError, match="Tensor"):
+            ops.flash_attn_train(g, q, tk, tv, None, 0.5)  # a NumPy array, not a Tensor
+        with pytest.raises(TypeError, match="real number"):
+            ops.flash_attn_train(g, tq, tk, tv, None, "0.5")
+        fwd = ops.flash_attn_train(g, tq, tk, tv, None, 0.5)
+        o = ops.get_o(fwd)
+        g.build([o])
+        with pytest.raises(RuntimeError, match="compute"):
+            g.read(o)
+        g.compute()
+        assert np.all(np.isfinite(g.read(o)))
+    with pytest.raises(RuntimeError, match="closed"):
+        g.read(o)
