@@ -12,3 +12,4 @@ hotggml build --backend cpu --define GGML_RPC=ON   # every GGML_OP_COUNT check a
 hotggml parity --backend cpu --set smoke --set real --threads 1,2 --json .hotggml/reports/parity-cpu.json
 hotggml memory --backend cpu
 hotggml bench --backend cpu --case dit-self-full-1250 --runs 5
+hotggml probe --backend cpu

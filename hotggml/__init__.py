@@ -5,7 +5,8 @@ Modules, one concern each (dependencies point one way):
   build                   CMake build keyed by pin + series hash
   ffi, graph, ops         cffi binding to the built library
   oracle                  float64 NumPy reference (imports nothing of ours)
-  parity, memory, bench   tools on top of the binding and the oracle
+  cases, parity, probe,   tools on top of the binding and the oracle
+  bench
   cli                     the `hotggml` command
 """
 

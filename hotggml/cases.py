@@ -135,7 +135,19 @@ REAL = [
     Case("lm-causal-1024", Nh=16, Nkv=8, D=128, S=1024, Skv=1024, mask="causal"),
 ]
 
-SETS = {"smoke": SMOKE, "real": REAL}
+# every SPEC §7 geometry (what users train at): for probe and for benchmarks on a device, not for the
+# CPU parity gate (the oracle would need tens of GB at the largest)
+FIELD = [
+    *(Case(f"dit-self-window-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, mask="band", band=128) for s in (625, 1250, 3000)),
+    *(Case(f"dit-self-full-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s) for s in (625, 1250, 3000)),
+    Case("dit-cross-1250x1877", Nh=16, Nkv=8, D=128, S=1250, Skv=1877, mask="padding", pad_keys=200),
+    Case("dit-cross-1250x640", Nh=16, Nkv=8, D=128, S=1250, Skv=640, mask="padding", pad_keys=64),
+    *(Case(f"lm-causal-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, mask="causal") for s in (1024, 2113, 3500)),
+    *(Case(f"lm4b-causal-{s}", Nh=32, Nkv=8, D=128, S=s, Skv=s, mask="causal") for s in (1024, 2113, 3500)),
+    Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, mask="causal"),
+]
+
+SETS = {"smoke": SMOKE, "real": REAL, "field": FIELD}
 
 
 def select(set_names: list[str], pattern: str | None = None) -> list[Case]:

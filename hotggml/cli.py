@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "parity": "hotggml.cli:add_parity_parser",
     "memory": "hotggml.cli:add_memory_parser",
     "bench": "hotggml.cli:add_bench_parser",
+    "probe": "hotggml.cli:add_probe_parser",
 }
 
 
@@ -302,11 +303,40 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from hotggml import bench, cases
 
-    found = [c for c in cases.SMOKE + cases.REAL if c.id == args.case]
+    found = [c for c in cases.SMOKE + cases.REAL + cases.FIELD if c.id == args.case]
     if not found:
-        known = ", ".join(c.id for c in cases.SMOKE + cases.REAL)
+        known = ", ".join(dict.fromkeys(c.id for c in cases.SMOKE + cases.REAL + cases.FIELD))
         print(f"hotggml: error: unknown case {args.case!r} (known: {known})", file=sys.stderr)
         return 2
     result = bench.time_pair(found[0], resolve_device(args.backend), args.threads, args.runs)
     print(bench.format_timing(result))
     return 0
+
+
+def add_probe_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `probe --backend NAME [--set field] [-p REGEX] [--prec default|f32]`."""
+    parser = subparsers.add_parser("probe", help="does the device's supports_op take the fused nodes at real shapes")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field"),
+                        help="case set (repeatable; default field: every SPEC §7 geometry)")
+    parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
+    parser.add_argument("--prec", choices=("default", "f32"), default="default")
+    parser.set_defaults(func=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    from hotggml import cases
+    from hotggml.errors import UnsupportedOpError
+    from hotggml.graph import Backend
+    from hotggml.probe import probe
+
+    refused = 0
+    with Backend(resolve_device(args.backend)) as be:
+        for case in cases.select(args.sets or ["field"], args.pattern):
+            try:
+                probe(case, be, args.prec)
+                print(f"supported   {case.id:<24} {case.shape}")
+            except UnsupportedOpError as exc:
+                refused += 1
+                print(f"REFUSED     {case.id:<24} {exc}")
+    return 1 if refused else 0

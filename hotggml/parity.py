@@ -24,6 +24,7 @@ from hotggml.cases import Case
 from hotggml.errors import BackendError
 from hotggml.ffi import library_info
 from hotggml.graph import Backend, Graph
+from hotggml.probe import probe
 
 BARS = {"f32": 1e-4, "tf32": 5e-3}
 FLOOR = 1e-5
@@ -259,6 +260,8 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     resolved = resolved_precision(device, prec)
     res = CaseResult(case.id, case.shape, device, resolved, info["pin"], info["series_hash"],
                      threads=list(threads), bar=BARS[resolved])
+    with Backend(device) as be:  # fail fast, by name, before any arm runs
+        probe(case, be, "f32" if prec == "f32" else "default")
     ref = run_oracle(case)
     res.seconds["oracle"] = ref.seconds
     fused_runs = []

@@ -1,0 +1,40 @@
+"""Probe: does a device take the fused nodes at a run's REAL shapes? (SPEC §5, §6)
+
+``ggml_backend_supports_op == false`` is not an error in ggml: a scheduler silently runs the
+node on the CPU. Before a run claims a device result, build the fused forward and backward
+nodes at the run's shapes in a no-alloc context (nothing is allocated: the 27B chunk probes
+on any machine) and ask the device; refuse with UnsupportedOpError on false.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hotggml import ops
+from hotggml.cases import Case
+from hotggml.errors import UnsupportedOpError
+from hotggml.graph import Backend, Graph
+
+
+def probe(case: Case, backend: Backend, prec: str = "default") -> None:
+    """Raise UnsupportedOpError unless ``backend`` supports the fwd and bwd nodes of ``case``.
+
+    Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B],
+    mask [Skv, S, 1, 1 or B] f16 when the case has one; d is the packed gradient of the forward.
+    """
+    with Graph(backend) as g:
+        q = g.new_tensor((case.D, case.S, case.Nh, case.B))
+        k = g.new_tensor((case.D, case.Skv, case.Nkv, case.B))
+        v = g.new_tensor((case.dv, case.Skv, case.Nkv, case.B))
+        mask = None
+        if case.has_mask():
+            bm = case.B if (case.mask_per_batch or case.mask == "padding") else 1
+            mask = g.new_tensor((case.Skv, case.S, 1, bm), np.float16)
+        fwd = ops.flash_attn_train(g, q, k, v, mask, case.scale, prec)
+        back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne))
+        for node in (fwd, back):
+            if not backend.supports_op(node):
+                raise UnsupportedOpError(
+                    f"{backend.device_name} supports_op is false for {node.op_name} at {case.id} ({case.shape}, "
+                    f"prec {prec}): ggml would run it on the CPU instead; this run cannot claim a "
+                    f"{backend.device_name} result")
