@@ -123,6 +123,8 @@ SMOKE = [
     Case("tiles", B=2, Nh=2, Nkv=1, D=32, S=70, Skv=150, mask="band", band=40, q_view=True),
     Case("lse-loss", Nh=4, Nkv=2, D=16, S=21, Skv=35, mask="causal", lse_loss=True),
     Case("no-mask-gqa", B=2, Nh=6, Nkv=3, D=24, S=31, Skv=47),
+    # head dims that are not multiples of the CPU kernels' 32-column register blocks (SIMD + remainder)
+    Case("dv-ne-d-remainders", B=1, Nh=4, Nkv=2, D=48, Dv=80, S=45, Skv=77, mask="causal"),
 ]
 
 # SPEC §7 shapes that fit the CPU
