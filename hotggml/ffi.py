@@ -107,6 +107,8 @@ struct ggml_tensor * ggml_flash_attn_train_back(struct ggml_context * ctx, struc
 struct ggml_tensor * ggml_flash_attn_train_back_get_dq(struct ggml_context * ctx, struct ggml_tensor * back);
 struct ggml_tensor * ggml_flash_attn_train_back_get_dk(struct ggml_context * ctx, struct ggml_tensor * back);
 struct ggml_tensor * ggml_flash_attn_train_back_get_dv(struct ggml_context * ctx, struct ggml_tensor * back);
+size_t ggml_flash_attn_train_lse_offset(const struct ggml_tensor * fwd);
+size_t ggml_flash_attn_train_back_offset(const struct ggml_tensor * back, int i);
 """
 
 CDEF_BACKEND = """

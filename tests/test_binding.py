@@ -494,3 +494,18 @@ def test_misuse_raises_instead_of_crashing(cpu):
         assert np.all(np.isfinite(g.read(o)))
     with pytest.raises(RuntimeError, match="closed"):
         g.read(o)
+
+
+def test_packed_layout_offsets_agree_with_the_views(cpu):
+    """The layout helpers backends use (ggml.h) and the view getters describe the same packing:
+    LSE and dK/dV start at GGML_MEM_ALIGN boundaries right after O and dQ/dK (odd sizes: real gaps)."""
+    q, k, v = _inputs(S=5, Skv=7, D=3, Dv=5)  # element counts not multiples of 4: every part has a gap
+    with Graph(cpu) as g:
+        fwd = ops.flash_attn_train(g, g.input(q), g.input(k), g.input(v), None, 0.5)
+        back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne))
+        lib = g.lib
+        n_o = int(np.prod(ops.get_o(fwd).ne)) * 4
+        assert lib.ggml_flash_attn_train_lse_offset(fwd.ptr) == ops.get_lse(fwd).ptr.view_offs == -(-n_o // 16) * 16
+        assert lib.ggml_flash_attn_train_back_offset(back.ptr, 0) == ops.get_dq(back).ptr.view_offs == 0
+        assert lib.ggml_flash_attn_train_back_offset(back.ptr, 1) == ops.get_dk(back).ptr.view_offs == -(-q.size * 4 // 16) * 16
+        assert lib.ggml_flash_attn_train_back_offset(back.ptr, 2) == ops.get_dv(back).ptr.view_offs
