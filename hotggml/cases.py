@@ -18,8 +18,16 @@ class Case:
     """One attention geometry. B batch, Nh query heads, Nkv kv heads, D (and Dv) head dims,
     S queries, Skv keys; mask one of MASKS; band half-width for 'band'; pad_keys masked keys
     at the end (per batch b: pad_keys + b) for 'padding'; masked_rows query rows made fully
-    -INF; mask_rows_extra adds rows to the mask beyond S (S' > S); q_view builds q as a
-    permuted, non-contiguous view; lse_loss adds LSE to the loss (checks the dLSE path)."""
+    -INF; masked_keys key columns made -INF for every row; mask_rows_extra adds rows to the mask
+    beyond S (S' > S); q_view builds q as a permuted, non-contiguous view; lse_loss adds LSE to the
+    loss (checks the dLSE path).
+
+    Numerical rules (SPEC §4): qk_gain multiplies q and k (a large gain saturates the softmax into
+    one-hot rows, where dQ = dK = 0 exactly); v = v_offset + v_spread * N(0, 1) (near-constant V
+    when the spread is small); garbage puts NaN into k and v at every key masked for all rows (the
+    kernels must never let them reach a result; the references get the finite values). Cases
+    tagged 'cancel' measure dQ and dK against their natural magnitude (parity.natural_magnitudes),
+    since the reference is ~0 there."""
 
     name: str
     B: int = 1
@@ -34,9 +42,14 @@ class Case:
     pad_keys: int = 0
     mask_per_batch: bool = False
     masked_rows: tuple[int, ...] = ()
+    masked_keys: tuple[int, ...] = ()
     mask_rows_extra: int = 0
     q_view: bool = False
     lse_loss: bool = False
+    qk_gain: float = 1.0
+    v_offset: float = 0.0
+    v_spread: float = 1.0
+    garbage: bool = False
     seed: int = 0
     tags: tuple[str, ...] = field(default=())
 
@@ -47,6 +60,8 @@ class Case:
             raise ValueError(f"case {self.name}: Nh % Nkv != 0")
         if any(r >= self.S for r in self.masked_rows):
             raise ValueError(f"case {self.name}: masked row beyond S")
+        if any(j >= self.Skv for j in self.masked_keys):
+            raise ValueError(f"case {self.name}: masked key beyond Skv")
 
     @property
     def id(self) -> str:
@@ -66,7 +81,7 @@ class Case:
                 f" S{self.S} Skv{self.Skv} {self.mask}")
 
     def has_mask(self) -> bool:
-        return self.mask != "none" or bool(self.masked_rows)
+        return self.mask != "none" or bool(self.masked_rows) or bool(self.masked_keys)
 
     def mask_array(self) -> np.ndarray | None:
         """Additive mask, float16 (Bm, S', Skv) with Bm in {1, B}, or None; -inf where masked."""
@@ -94,20 +109,40 @@ class Case:
                 m[:, :, 0] = -np.inf  # a masked key column in a finite-bias mask
         for r in self.masked_rows:
             m[:, r, :] = -np.inf
+        for j in self.masked_keys:
+            m[:, :, j] = -np.inf
         return m.astype(np.float16)
 
-    def inputs(self) -> dict[str, np.ndarray]:
-        """Seeded f32 inputs in NumPy (batch-first) layout and the loss weights (dO, dLSE)."""
+    def dead_keys(self) -> np.ndarray:
+        """bool (B, Skv): True where key j of batch b is masked for every one of the S query rows."""
+        mask = self.mask_array()
+        if mask is None:
+            return np.zeros((self.B, self.Skv), dtype=bool)
+        dead = np.all(np.isneginf(mask[:, : self.S].astype(np.float32)), axis=1)  # (Bm, Skv)
+        return np.broadcast_to(dead, (self.B, self.Skv)).copy()
+
+    def inputs(self, with_garbage: bool = False) -> dict[str, np.ndarray]:
+        """Seeded f32 inputs in NumPy (batch-first) layout and the loss weights (dO, dLSE).
+
+        with_garbage: for a ``garbage`` case, k and v hold NaN at every key masked for all rows
+        (what the fused arm gets); the references always get the finite values.
+        """
         rng = np.random.default_rng(self.seed)
         B, Nh, Nkv, S, Skv, D, Dv = self.B, self.Nh, self.Nkv, self.S, self.Skv, self.D, self.dv
+        gain = np.float32(self.qk_gain)
         out = {
-            "q": rng.standard_normal((B, Nh, S, D), dtype=np.float32),
-            "k": rng.standard_normal((B, Nkv, Skv, D), dtype=np.float32),
-            "v": rng.standard_normal((B, Nkv, Skv, Dv), dtype=np.float32),
+            "q": rng.standard_normal((B, Nh, S, D), dtype=np.float32) * gain,
+            "k": rng.standard_normal((B, Nkv, Skv, D), dtype=np.float32) * gain,
+            "v": (np.float32(self.v_offset) +
+                  np.float32(self.v_spread) * rng.standard_normal((B, Nkv, Skv, Dv), dtype=np.float32)),
             # dO in the O layout of the op, [Dv, Nh, S, B] -> NumPy (B, S, Nh, Dv)
             "do": rng.standard_normal((B, S, Nh, Dv), dtype=np.float32),
             "dlse": rng.standard_normal((B, S, Nh), dtype=np.float32) if self.lse_loss else None,
         }
+        if with_garbage and self.garbage:
+            for b, j in zip(*np.nonzero(self.dead_keys())):
+                out["k"][b, :, j] = np.nan
+                out["v"][b, :, j] = np.nan
         return out
 
 
@@ -125,6 +160,13 @@ SMOKE = [
     Case("no-mask-gqa", B=2, Nh=6, Nkv=3, D=24, S=31, Skv=47),
     # head dims that are not multiples of the CPU kernels' 32-column register blocks (SIMD + remainder)
     Case("dv-ne-d-remainders", B=1, Nh=4, Nkv=2, D=48, Dv=80, S=45, Skv=77, mask="causal"),
+    # numerical rules (SPEC §4): garbage (NaN) K/V at masked keys never reaches a result, whatever the
+    # tile alignment (key 40 alone inside a 32-key tile; padding slots of a batch); dS cancels exactly
+    # on saturated (one-hot) rows and no worse than the exact chain with near-constant V
+    Case("nan-masked-key", D=16, S=8, Skv=64, masked_keys=(40,), garbage=True),
+    Case("nan-padding-keys", B=2, Nh=4, Nkv=2, D=16, S=24, Skv=40, mask="padding", pad_keys=3, garbage=True),
+    Case("one-hot-rows", Nh=2, Nkv=1, D=16, S=17, Skv=17, qk_gain=100.0, seed=1, tags=("cancel", "one-hot")),
+    Case("near-constant-v", Nh=2, Nkv=1, D=16, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, tags=("cancel",)),
 ]
 
 # SPEC §7 shapes that fit the CPU
