@@ -191,7 +191,11 @@ FIELD = [
     Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, mask="causal"),
 ]
 
-SETS = {"smoke": SMOKE, "real": REAL, "field": FIELD}
+# shapes a device may refuse by name (CUDA takes D, Dv <= 256): parity and probe must fail naming the op,
+# never fall back to the CPU
+LIMITS = [Case("d512-refused", Nh=2, Nkv=1, D=512, S=8, Skv=8)]
+
+SETS = {"smoke": SMOKE, "real": REAL, "field": FIELD, "limits": LIMITS}
 
 
 def select(set_names: list[str], pattern: str | None = None) -> list[Case]:

@@ -215,7 +215,7 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
     parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
     parser.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
-    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real"),
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "limits"),
                         help="case set (repeatable; default smoke)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
@@ -317,7 +317,7 @@ def add_probe_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `probe --backend NAME [--set field] [-p REGEX] [--prec default|f32]`."""
     parser = subparsers.add_parser("probe", help="does the device's supports_op take the fused nodes at real shapes")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field"),
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field", "limits"),
                         help="case set (repeatable; default field: every SPEC §7 geometry)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--prec", choices=("default", "f32"), default="default")

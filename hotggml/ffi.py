@@ -116,6 +116,7 @@ typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
 typedef struct ggml_backend_buffer * ggml_backend_buffer_t;
 typedef struct ggml_backend * ggml_backend_t;
 typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
 typedef struct ggml_gallocr * ggml_gallocr_t;
 enum ggml_status { GGML_STATUS_ALLOC_FAILED = -2, GGML_STATUS_FAILED = -1, GGML_STATUS_SUCCESS = 0, GGML_STATUS_ABORTED = 1 };
 
@@ -126,6 +127,11 @@ const char * ggml_backend_dev_name(ggml_backend_dev_t device);
 const char * ggml_backend_dev_description(ggml_backend_dev_t device);
 ggml_backend_t ggml_backend_dev_init(ggml_backend_dev_t device, const char * params);
 bool ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_tensor * op);
+ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+/* flash-attn-train-cuda: the path a FLASH_ATTN_TRAIN(_BACK) node runs on CUDA device `device` */
+typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
 
 void ggml_backend_free(ggml_backend_t backend);
 const char * ggml_backend_name(ggml_backend_t backend);

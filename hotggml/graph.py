@@ -65,6 +65,25 @@ class Backend:
         """The device's own answer for this node at its real shapes and types."""
         return bool(load().ggml_backend_dev_supports_op(self._dev, tensor.ptr))
 
+    def fa_train_path(self, tensor: "Tensor") -> str:
+        """The kernel path a FLASH_ATTN_TRAIN(_BACK) node runs here: 'tf32', 'f32' or 'none' (refused).
+
+        Asked of the library, never inferred from the request: CUDA answers through the proc address
+        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses); the CPU has one
+        f32 path. Raises BackendError for a backend that cannot say.
+        """
+        lib = load()
+        if not self.supports_op(tensor):
+            return "none"
+        if self.device_name == "CPU":
+            return "f32"
+        reg = lib.ggml_backend_dev_backend_reg(self._dev)
+        fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_cuda_flash_attn_train_path")
+        if fn == ffi.NULL or not self.device_name.startswith("CUDA"):
+            raise BackendError(f"{self.device_name} does not report which flash_attn_train path it runs")
+        path = ffi.cast("ggml_backend_cuda_fa_train_path_t", fn)
+        return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
+
     def close(self) -> None:
         if self._ptr is not None and self._ptr != ffi.NULL:
             load().ggml_backend_free(self._ptr)

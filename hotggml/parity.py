@@ -282,14 +282,14 @@ def _exact_checks(case: Case, fused: ArmResult, ref: ArmResult, resolved: str) -
 
 def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, prec: str = "f32",
              with_chain: bool = True) -> CaseResult:
-    """All arms of one case; fused runs once per thread count (CPU) and must be bitwise identical."""
-    threads = threads or [None]
+    """All arms of one case; the fused arm runs once per CPU thread count (twice on another device)
+    and every run must be bitwise identical."""
+    threads = threads or ([None] if device.upper() == "CPU" else [None, None])
     info = library_info()
-    resolved = resolved_precision(device, prec)
+    with Backend(device) as be:  # fail fast, by name, before any arm runs; the path the library reports
+        resolved = probe(case, be, "f32" if prec == "f32" else "default")
     res = CaseResult(case.id, case.shape, device, resolved, info["pin"], info["series_hash"],
                      threads=list(threads), bar=BARS[resolved])
-    with Backend(device) as be:  # fail fast, by name, before any arm runs
-        probe(case, be, "f32" if prec == "f32" else "default")
     ref = run_oracle(case)
     res.seconds["oracle"] = ref.seconds
     fused_runs = []
@@ -310,7 +310,7 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         res.errors["fused~chain"] = _compare(fused, chain, live, grads=not case.lse_loss, floors=floors)
     res.checks = _exact_checks(case, fused, ref, resolved)
     if len(fused_runs) > 1:
-        res.checks["bitwise_across_threads"] = all(
+        res.checks["bitwise_across_runs"] = all(
             all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))
             for a in fused_runs[1:])
     res.failures = [f"{arm} {out} {err:.2e} > {res.bar:.0e}" for arm, errs in res.errors.items()
@@ -321,13 +321,6 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     res.failures += [f"check {name} failed" for name, ok in res.checks.items() if not ok]
     res.passed = not res.failures
     return res
-
-
-def resolved_precision(device: str, prec: str) -> str:
-    """The precision that actually runs: the CPU has one f32 path; CUDA's default is TF32 (sm_80+)."""
-    if device.upper().startswith("CPU") or prec == "f32":
-        return "f32"
-    return "tf32"
 
 
 def table(results: list[CaseResult]) -> str:

@@ -16,8 +16,9 @@ from hotggml.errors import UnsupportedOpError
 from hotggml.graph import Backend, Graph
 
 
-def probe(case: Case, backend: Backend, prec: str = "default") -> None:
-    """Raise UnsupportedOpError unless ``backend`` supports the fwd and bwd nodes of ``case``.
+def probe(case: Case, backend: Backend, prec: str = "default") -> str:
+    """Raise UnsupportedOpError unless ``backend`` supports the fwd and bwd nodes of ``case``;
+    return the kernel path they run there ('tf32' or 'f32', as the library reports it).
 
     Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B],
     mask [Skv, S, 1, 1 or B] f16 when the case has one; d is the packed gradient of the forward.
@@ -38,3 +39,8 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> None:
                     f"{backend.device_name} supports_op is false for {node.op_name} at {case.id} ({case.shape}, "
                     f"prec {prec}): ggml would run it on the CPU instead; this run cannot claim a "
                     f"{backend.device_name} result")
+        paths = {backend.fa_train_path(node) for node in (fwd, back)}
+        if len(paths) != 1:
+            raise UnsupportedOpError(f"{backend.device_name}: forward and backward of {case.id} run different "
+                                     f"paths {sorted(paths)}")
+        return paths.pop()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The one-call GPU runner (run on the GPU machine, from the repository root):
+#   bash tools/gpu-run.sh OUTDIR
+# Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
+# the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
+# probe, parity smoke + real on CUDA0 at both precisions, probe at every field geometry, and the named
+# refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
+# present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
+# last. Exit status: 0 when every step gave what it must.
+set -uo pipefail
+out=${1:?usage: bash tools/gpu-run.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hotggml-site .whl/*.whl || exit 2
+    export PYTHONPATH="/tmp/hotggml-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+log="$out/run.log"
+summary=()
+failed=0
+
+# step NAME EXPECT CMD...: run CMD, log it, record ok/FAIL (EXPECT: pass, or fail:REGEX for a named refusal)
+step() {
+    local name=$1 expect=$2; shift 2
+    local t0=$SECONDS rc
+    echo "=== $name: $*" >> "$log"
+    "$@" > "$out/step.log" 2>&1; rc=$?
+    cat "$out/step.log" >> "$log"
+    local verdict=FAIL
+    if [ "$expect" = pass ] && [ $rc -eq 0 ]; then verdict=ok
+    elif [ "${expect#fail:}" != "$expect" ] && [ $rc -ne 0 ] && grep -Eq "${expect#fail:}" "$out/step.log"; then verdict="ok (refused by name)"
+    fi
+    [ "$verdict" = FAIL ] && failed=1
+    summary+=("$(printf '%-28s %-22s rc=%-3s %4ss' "$name" "$verdict" "$rc" "$((SECONDS - t0))")")
+    tail -n 40 "$out/step.log"
+}
+
+hg() { python3 -m hotggml "$@"; }
+sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
+arch=${CUDA_ARCH:-90}
+
+step device pass nvidia-smi -L
+step mma-probe pass bash -c "nvcc -arch=sm_$arch -o /tmp/mma_probe tools/mma_probe.cu && /tmp/mma_probe"
+step fetch pass hg fetch ${sdist:+--sdist "$sdist"}
+step apply pass hg patches apply
+step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)"
+step parity-f32 pass hg parity --backend cuda --set smoke --set real --prec f32 --json "$out/parity-f32.json"
+step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec default --json "$out/parity-tf32.json"
+step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
+step probe-field pass hg probe --backend cuda --set field
+step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
+step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
+rm -f "$out/step.log"
+
+printf '%s\n' "" "step                         verdict                rc   time" "${summary[@]}" | tee -a "$log"
+exit $failed
