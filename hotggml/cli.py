@@ -263,7 +263,8 @@ def _run_parity(args: argparse.Namespace) -> int:
     results = []
     for case in selected:
         res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain)
-        print(f"{'PASS' if res.passed else 'FAIL'} {case.id}", file=sys.stderr, flush=True)
+        print(f"{'PASS' if res.passed else 'FAIL'} {case.id}" + ("" if res.passed else ": " + "; ".join(res.failures)),
+              file=sys.stderr, flush=True)
         results.append(res)
     print(parity.table(results))
     if args.json:
