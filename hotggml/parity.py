@@ -84,6 +84,7 @@ class CaseResult:
     errors: dict = field(default_factory=dict)       # "fused~oracle" -> {output: err}
     checks: dict = field(default_factory=dict)       # named exact checks -> bool
     bar: float = 0.0
+    chain_bar: float = 0.0
     passed: bool = False
     failures: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
@@ -313,11 +314,12 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         res.checks["bitwise_across_runs"] = all(
             all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))
             for a in fused_runs[1:])
-    res.failures = [f"{arm} {out} {err:.2e} > {res.bar:.0e}" for arm, errs in res.errors.items()
-                    if arm != "chain~oracle" for out, err in errs.items() if not err <= res.bar]
-    # the chain is a reference too: it must itself agree with the oracle at the f32 bar
-    res.failures += [f"chain~oracle {out} {err:.2e} > {BARS['f32']:.0e}"
-                     for out, err in res.errors.get("chain~oracle", {}).items() if not err <= BARS["f32"]]
+    # the chain is a reference too: it must itself agree with the oracle, at the f32 bar on the CPU and at
+    # the TF32 bar elsewhere (ggml's CUDA mul_mat multiplies f32 on TF32 tensor cores, ~5e-4 seen on an H200)
+    res.chain_bar = BARS["f32"] if device.upper() == "CPU" else BARS["tf32"]
+    bars = {"fused~oracle": res.bar, "fused~chain": max(res.bar, res.chain_bar), "chain~oracle": res.chain_bar}
+    res.failures = [f"{arm} {out} {err:.2e} > {bars[arm]:.0e}" for arm, errs in res.errors.items()
+                    for out, err in errs.items() if not err <= bars[arm]]
     res.failures += [f"check {name} failed" for name, ok in res.checks.items() if not ok]
     res.passed = not res.failures
     return res
