@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80 and sm_90, so a
+# kernel or dispatch that does not compile fails the gate on a machine without a GPU. cuBLAS headers
+# (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
+# into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
+source "$(dirname "$0")/env.sh"
+if ! command -v nvcc > /dev/null; then
+    echo "cuda-compile: SKIPPED: no nvcc on PATH (the CUDA sources were not compiled)"
+    exit 0
+fi
+start=$SECONDS
+tree=$(hotggml prepare --json | python -c 'import json, sys; print(json.load(sys.stdin)["source_dir"])')
+inc=.hotggml/cache/cublas-include
+if [ ! -f "$inc/cublas_v2.h" ]; then
+    tmp=$(mktemp -d)
+    python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+        "nvidia-cublas>=13,<14" -d "$tmp"
+    python - "$tmp" "$inc" <<'PY'
+import pathlib, shutil, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("nvidia_cublas-*.whl"))
+out = pathlib.Path(sys.argv[2]); tmp = out.with_name(out.name + ".part")
+shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if "/include/" in name and not name.endswith("/"):
+            (tmp / pathlib.Path(name).name).write_bytes(z.read(name))
+shutil.rmtree(out, ignore_errors=True); tmp.rename(out)   # never a half-extracted folder
+PY
+    rm -rf "$tmp"
+fi
+# the .cu files under src/ggml-cuda that some patch of the series touches
+mapfile -t sources < <(sed -n 's|^diff --git a/\(src/ggml-cuda/[^ ]*\.cu\) .*|\1|p' $(sed 's|^|patches/|' patches/series) | sort -u)
+[ ${#sources[@]} -gt 0 ] || { echo "cuda-compile: no CUDA source in the series"; exit 1; }
+out=$(mktemp -d)
+for arch in 80 90; do
+    for src in "${sources[@]}"; do
+        echo "nvcc sm_$arch $src"
+        nvcc -c -std=c++17 -arch="sm_$arch" -DNDEBUG -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" \
+            -I"$inc" "$tree/$src" -o "$out/$(basename "$src" .cu)-sm_$arch.o" || exit 1
+    done
+done
+rm -rf "$out"
+echo "cuda-compile: ok: ${sources[*]} for sm_80 and sm_90 in $((SECONDS - start)) s"

@@ -1,0 +1,58 @@
+"""CUDA: the fused ops on CUDA0 against the float64 oracle, both precisions, with the path the library
+reports. These run where the loaded build has a CUDA device (tools/gpu-run.sh on the GPU machine) and
+skip with the reason elsewhere; a requested CUDA backend that is absent fails loudly, never falling
+back to the CPU (that test runs where there is no CUDA device, as in CI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hotggml import cases, parity
+from hotggml.errors import BackendError
+from hotggml.graph import Backend, devices
+
+
+def _cuda_devices() -> list[str]:
+    return [name for name, _ in devices() if name.startswith("CUDA")]
+
+
+@pytest.fixture(scope="module")
+def cuda_device(lib) -> str:
+    found = _cuda_devices()
+    if not found:
+        pytest.skip("no CUDA device in the loaded build's registry (a CPU build, or no GPU on this machine); "
+                    "the CUDA tests run on the GPU machine through tools/gpu-run.sh")
+    return found[0]
+
+
+def test_absent_cuda_fails_loudly(lib):
+    if _cuda_devices():
+        pytest.skip("this build has a CUDA device: absence cannot be tested here")
+    with pytest.raises(BackendError, match="CUDA0"):
+        Backend("CUDA0")
+    run = subprocess.run([sys.executable, "-m", "hotggml", "parity", "--backend", "cuda", "-p", "^tiny$"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "CUDA0" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prec,path", [("f32", "f32"), ("default", "tf32")])
+@pytest.mark.parametrize("case", cases.SMOKE, ids=lambda c: c.id)
+def test_cuda_parity(cuda_device, case, prec, path):
+    result = parity.run_case(case, cuda_device, prec=prec)
+    assert result.precision == path  # what the library reports it ran (an sm_90 card: TF32 for 'default')
+    assert result.passed, f"{case.id} {prec}: " + "; ".join(result.failures)
+    assert result.checks["bitwise_across_runs"] is True
+
+
+@pytest.mark.cuda
+def test_cuda_refuses_d512_by_name(cuda_device):
+    from hotggml.errors import UnsupportedOpError
+    from hotggml.probe import probe
+
+    with Backend(cuda_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at d512-refused"):
+        probe(cases.LIMITS[0], be)
