@@ -3,8 +3,9 @@
 #   bash tools/gpu-run.sh OUTDIR
 # Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
 # the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
-# probe, parity smoke + real on CUDA0 at both precisions, probe at every field geometry, and the named
-# refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
+# probe, parity smoke + real on CUDA0 at both precisions, the CUDA tests, paired timings against the
+# exact chain (information for the speed work, not a claim), probe at every field geometry, and the
+# named refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
 # last. Exit status: 0 when every step gave what it must.
 set -uo pipefail
@@ -48,6 +49,9 @@ step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)"
 step parity-f32 pass hg parity --backend cuda --set smoke --set real --prec f32 --json "$out/parity-f32.json"
 step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec default --json "$out/parity-tf32.json"
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
+step cuda-tests pass python3 -m pytest tests/test_cuda.py -q -m cuda -rs -p no:cacheprovider
+step bench-dit-full-1250 pass hg bench --backend cuda --case dit-self-full-1250 --runs 5
+step bench-lm-causal-1024 pass hg bench --backend cuda --case lm-causal-1024 --runs 5
 step probe-field pass hg probe --backend cuda --set field
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
