@@ -149,6 +149,20 @@ ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors(struct ggml_context * ctx, 
 void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
 size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
 
+typedef struct ggml_backend_sched * ggml_backend_sched_t;
+ggml_backend_sched_t ggml_backend_sched_new(ggml_backend_t * backends, ggml_backend_buffer_type_t * bufts, int n_backends,
+                                            size_t graph_size, bool parallel, bool op_offload);
+void ggml_backend_sched_free(ggml_backend_sched_t sched);
+void ggml_backend_sched_reset(ggml_backend_sched_t sched);
+void ggml_backend_sched_set_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node, ggml_backend_t backend);
+ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node);
+void ggml_backend_sched_split_graph(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+bool ggml_backend_sched_alloc_graph(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+enum ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+void ggml_backend_sched_synchronize(ggml_backend_sched_t sched);
+int ggml_backend_sched_get_n_splits(ggml_backend_sched_t sched);
+int ggml_backend_sched_get_n_copies(ggml_backend_sched_t sched);
+
 ggml_gallocr_t ggml_gallocr_new(ggml_backend_buffer_type_t buft);
 void ggml_gallocr_free(ggml_gallocr_t galloc);
 bool ggml_gallocr_reserve(ggml_gallocr_t galloc, struct ggml_cgraph * graph);

@@ -142,14 +142,27 @@ class Graph:
 
     Build with ``input``/``param`` and the op methods (or hotggml.ops), then ``build(outputs,
     loss)``, then either ``arena_bytes()`` (reserve only) or ``compute()`` and ``read``/``grad``.
+
+    ``scheduled=True`` computes through ``ggml_backend_sched`` over [backend, CPU] as a trainer
+    does (hotggml.sched): nodes the backend refuses fall back to the CPU instead of raising,
+    ``assign`` pins a node to a backend, and ``placement()`` / ``n_splits`` say where each node
+    ran. Without it, every node must run on ``backend`` (BackendError otherwise).
     """
 
     MAX_INPUTS = 4096  # leaves (inputs, params, loss weights) one graph may hold
 
-    def __init__(self, backend: Backend, max_nodes: int = 16384):
+    def __init__(self, backend: Backend, max_nodes: int = 16384, scheduled: bool = False):
+        if not isinstance(max_nodes, int) or max_nodes < 16:
+            raise ValueError(f"max_nodes must be an int >= 16, got {max_nodes!r}")
         self.lib = load()
         self.backend = backend
         self.max_nodes = max_nodes
+        self._sched = None
+        if scheduled:
+            from hotggml.sched import Scheduler
+
+            # ggml asserts nodes + leafs <= the scheduler's hash size; each is bounded by max_nodes
+            self._sched = Scheduler(backend, graph_size=2 * max_nodes)
         mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
         self.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
         self.ctx_in = self.lib.ggml_init({"mem_size": self.lib.ggml_tensor_overhead() * self.MAX_INPUTS,
@@ -162,6 +175,7 @@ class Graph:
         self._uploads: list[tuple[Tensor, np.ndarray]] = []
         self._loss: Tensor | None = None
         self._computed = False
+        self._placed = False
 
     # -- leaves -------------------------------------------------------------------------
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
@@ -338,14 +352,50 @@ class Graph:
         """Nodes the backend's supports_op refuses ('' list when all run there)."""
         return [f"{t.op_name} {t.ne}" for t in self.nodes() if not self.backend.supports_op(t)]
 
-    def compute(self, poison: list[Tensor] = ()) -> float:
-        """Allocate, upload inputs, seed dL/dL = 1, compute on the backend (never on another one).
+    # -- scheduler (scheduled=True) ----------------------------------------------------------
+    def _need_sched(self):
+        if self._sched is None:
+            raise RuntimeError("this Graph was not made with scheduled=True")
+        return self._sched
 
-        ``poison``: tensors filled with NaN (0xFF bytes) before compute, so that anything the
-        kernel leaves unwritten shows up. Raises BackendError if a node is not supported by the
-        backend (ggml would otherwise abort). Returns the seconds ggml_backend_graph_compute took.
+    def assign(self, t: Tensor, device_name: str) -> None:
+        """Pin node ``t`` to the scheduler's backend ``device_name`` ('CPU' or the Graph's backend).
+
+        Raises RuntimeError for an unscheduled Graph, ValueError for a backend the scheduler lacks.
         """
+        self.own(t)
+        self._need_sched().assign(t.ptr, device_name)
+
+    def plan(self) -> None:
+        """Place and split the built graph without allocating (placement() then answers): a probe."""
         self._need_graph()
+        self._need_sched().split(self.gf)
+        self._placed = True
+
+    def placement(self) -> list[tuple[Tensor, str]]:
+        """(node, registry device name) for every graph node, as the scheduler placed it.
+
+        Valid after ``plan()`` or ``compute()``; raises RuntimeError before either.
+        """
+        sched = self._need_sched()
+        if not self._placed:
+            raise RuntimeError("call plan() or compute() before placement()")
+        return [(t, sched.device_of(t.ptr) or "unplaced") for t in self.nodes()]
+
+    @property
+    def n_splits(self) -> int:
+        """Splits ggml made of the graph (1 when every node runs on one backend)."""
+        if not self._placed:
+            raise RuntimeError("call plan() or compute() before n_splits")
+        return self._need_sched().n_splits
+
+    def _allocate(self) -> None:
+        if self._sched is not None:
+            if not self._sched.alloc(self.gf):
+                raise MemoryError("graph allocation failed in the scheduler over "
+                                  + ", ".join(b.device_name for b in self._sched.backends))
+            self._placed = True
+            return
         refused = self.unsupported_nodes()
         if refused:
             raise BackendError(f"{self.backend.device_name} does not support: {', '.join(refused[:5])}")
@@ -353,6 +403,23 @@ class Graph:
             self._galloc = self._new_allocator()
         if not self.lib.ggml_gallocr_alloc_graph(self._galloc, self.gf):
             raise MemoryError("graph allocation failed on " + self.backend.device_name)
+
+    def _run(self) -> int:
+        if self._sched is not None:
+            return self._sched.compute(self.gf)
+        status = self.lib.ggml_backend_graph_compute(self.backend._ptr, self.gf)
+        self.lib.ggml_backend_synchronize(self.backend._ptr)
+        return int(status)
+
+    def compute(self, poison: list[Tensor] = ()) -> float:
+        """Allocate, upload inputs, seed dL/dL = 1, compute (on the backend, or through the scheduler).
+
+        ``poison``: tensors filled with NaN (0xFF bytes) before compute, so that anything the
+        kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
+        supported by the backend (ggml would otherwise abort). Returns the seconds the compute took.
+        """
+        self._need_graph()
+        self._allocate()
         for t, arr in self._uploads:
             self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
         if self._loss is not None:
@@ -362,8 +429,7 @@ class Graph:
         for t in poison:
             self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
         t0 = time.perf_counter()
-        status = self.lib.ggml_backend_graph_compute(self.backend._ptr, self.gf)
-        self.lib.ggml_backend_synchronize(self.backend._ptr)
+        status = self._run()
         seconds = time.perf_counter() - t0
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
@@ -401,6 +467,9 @@ class Graph:
 
     def close(self) -> None:
         if self.ctx is not None:
+            if self._sched is not None:
+                self._sched.close()  # its buffers hold this graph's nodes: free before the context
+                self._sched = None
             self._galloc = None
             self._in_buf = None
             self.lib.ggml_free(self.ctx)

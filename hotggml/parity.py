@@ -68,6 +68,8 @@ class ArmResult:
     dv: np.ndarray
     lse_gap_zero: bool = True
     seconds: float = 0.0
+    placement: dict = field(default_factory=dict)  # fused op name -> device the scheduler ran it on
+    n_splits: int = 0
 
 
 @dataclass
@@ -88,6 +90,8 @@ class CaseResult:
     passed: bool = False
     failures: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)    # fused op name -> device it ran on (the scheduler's word)
+    n_splits: int = 0
 
 
 def _o_layout(o_ggml: np.ndarray) -> np.ndarray:
@@ -142,12 +146,23 @@ def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
     return FusedGraph(q_leaf, k, v, fwd, o, lse, fused)
 
 
-def run_fused(case: Case, backend: Backend, prec: str = "default") -> ArmResult:
-    """Fused forward + autodiff backward on ``backend``; poisons the fused outputs before compute."""
-    with Graph(backend) as g:
+def run_fused(case: Case, backend: Backend, prec: str = "default", backward_on: str | None = None) -> ArmResult:
+    """Fused forward + autodiff backward through ggml's scheduler over [backend, CPU], as a trainer
+    runs it; poisons the fused outputs before compute and records where each fused node ran.
+
+    ``backward_on``: pin the backward node to that backend (e.g. 'CPU' for the split test: the
+    forward on the device, its bytes copied across the split to the backward).
+    """
+    with Graph(backend, scheduled=True) as g:
         h = build_fused(g, case, prec)
+        if backward_on is not None:
+            g.assign(h.fused_nodes[1], backward_on)
         secs = g.compute(poison=h.fused_nodes)
-        return read_fused(g, case, h, secs)
+        res = read_fused(g, case, h, secs)
+        where = dict((t.ptr, d) for t, d in g.placement())
+        res.placement = {t.op_name: where[t.ptr] for t in h.fused_nodes}
+        res.n_splits = g.n_splits
+        return res
 
 
 def read_fused(g: Graph, case: Case, h: FusedGraph, seconds: float = 0.0) -> ArmResult:
@@ -289,6 +304,7 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     info = library_info()
     with Backend(device) as be:  # fail fast, by name, before any arm runs; the path the library reports
         resolved = probe(case, be, "f32" if prec == "f32" else "default")
+        device_name = be.device_name
     res = CaseResult(case.id, case.shape, device, resolved, info["pin"], info["series_hash"],
                      threads=list(threads), bar=BARS[resolved])
     ref = run_oracle(case)
@@ -299,6 +315,7 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
             fused_runs.append(run_fused(case, be, "f32" if prec == "f32" else "default"))
     fused = fused_runs[0]
     res.seconds["fused"] = fused.seconds
+    res.placement, res.n_splits = fused.placement, fused.n_splits
     live = ~oracle.masked_rows(case.mask_array(), case.B, case.S)
     floors = natural_magnitudes(case) if "cancel" in case.tags else None
     res.errors["fused~oracle"] = _compare(fused, ref, live, floors=floors)
@@ -310,6 +327,10 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         res.errors["chain~oracle"] = _compare(chain, ref, live, grads=not case.lse_loss, floors=floors)
         res.errors["fused~chain"] = _compare(fused, chain, live, grads=not case.lse_loss, floors=floors)
     res.checks = _exact_checks(case, fused, ref, resolved)
+    # a node the device refuses would run on the CPU without an error: prove where they ran
+    res.checks["fused_nodes_on_backend"] = all(
+        sorted(run.placement) == ["FLASH_ATTN_TRAIN", "FLASH_ATTN_TRAIN_BACK"]
+        and set(run.placement.values()) == {device_name} for run in fused_runs)
     if len(fused_runs) > 1:
         res.checks["bitwise_across_runs"] = all(
             all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))

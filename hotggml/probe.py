@@ -3,7 +3,8 @@
 ``ggml_backend_supports_op == false`` is not an error in ggml: a scheduler silently runs the
 node on the CPU. Before a run claims a device result, build the fused forward and backward
 nodes at the run's shapes in a no-alloc context (nothing is allocated: the 27B chunk probes
-on any machine) and ask the device; refuse with UnsupportedOpError on false.
+on any machine), ask the device, and let ggml's scheduler over [device, CPU] place the graph
+(split only, no allocation); refuse with UnsupportedOpError unless both nodes land on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> str:
     Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B],
     mask [Skv, S, 1, 1 or B] f16 when the case has one; d is the packed gradient of the forward.
     """
-    with Graph(backend) as g:
+    with Graph(backend, scheduled=True) as g:
         q = g.new_tensor((case.D, case.S, case.Nh, case.B))
         k = g.new_tensor((case.D, case.Skv, case.Nkv, case.B))
         v = g.new_tensor((case.dv, case.Skv, case.Nkv, case.B))
@@ -39,6 +40,13 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> str:
                     f"{backend.device_name} supports_op is false for {node.op_name} at {case.id} ({case.shape}, "
                     f"prec {prec}): ggml would run it on the CPU instead; this run cannot claim a "
                     f"{backend.device_name} result")
+        g.build([ops.get_o(fwd), ops.get_lse(fwd), ops.get_dq(back), ops.get_dk(back), ops.get_dv(back)])
+        g.plan()
+        placed = {t.ptr: device for t, device in g.placement()}
+        for node in (fwd, back):
+            if placed.get(node.ptr) != backend.device_name:
+                raise UnsupportedOpError(f"ggml's scheduler placed {node.op_name} of {case.id} on "
+                                         f"{placed.get(node.ptr)}, not {backend.device_name}")
         paths = {backend.fa_train_path(node) for node in (fwd, back)}
         if len(paths) != 1:
             raise UnsupportedOpError(f"{backend.device_name}: forward and backward of {case.id} run different "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hotggml import cases, parity
@@ -56,3 +57,25 @@ def test_cuda_refuses_d512_by_name(cuda_device):
 
     with Backend(cuda_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at d512-refused"):
         probe(cases.LIMITS[0], be)
+
+
+# -- the split graph: forward on the device, backward pinned to the CPU (SPEC §4, issue 5 item 2) ----
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prec", ["f32", "default"])
+@pytest.mark.parametrize("case_id", ["lse-loss", "odd-causal-cross", "q-view-bias", "gqa-band", "nan-padding-keys"])
+def test_split_backward_on_cpu(cuda_device, case_id, prec):
+    """ggml's scheduler runs the forward on CUDA0 and, pinned with set_tensor_backend, the backward on
+    the CPU: the forward's bytes cross the split as a plain copy, and the gradients still pass parity."""
+    case = next(c for c in cases.SMOKE if c.id == case_id)
+    with Backend(cuda_device) as be:
+        fused = parity.run_fused(case, be, prec, backward_on="CPU")
+    assert fused.placement == {"FLASH_ATTN_TRAIN": cuda_device, "FLASH_ATTN_TRAIN_BACK": "CPU"}
+    assert fused.n_splits >= 2
+    ref = parity.run_oracle(case)
+    live = ~parity.oracle.masked_rows(case.mask_array(), case.B, case.S)
+    errs = parity._compare(fused, ref, live)
+    assert all(np.max(np.abs(getattr(ref, g))) > 0 for g in ("dq", "dk", "dv"))
+    # the forward's path sets the bar: a TF32 O and LSE feed the CPU's f32 backward
+    bar = parity.BARS["f32" if prec == "f32" else "tf32"]
+    assert max(errs.values()) <= bar, errs

@@ -1,0 +1,96 @@
+"""ggml_backend_sched for the binding's graphs: the requested backend first, the CPU as fallback.
+
+A trainer does not call one backend's ``graph_compute``: it hands the graph to ggml's scheduler,
+which places every node on the first backend (in priority order) that supports it, splits the
+graph where consecutive nodes change backend and copies the tensors that cross a split. A node
+the device refuses then runs on the CPU without any error, so a device result is claimed only
+after asking the scheduler where each node ran (``placement``).
+
+The scheduler's backends are ``[backend, CPU]`` (ggml requires the CPU last), or ``[CPU]`` when
+the requested backend is the CPU. The fallback CPU backend is opened and owned here.
+"""
+
+from __future__ import annotations
+
+from hotggml.ffi import ffi, load
+
+
+class Scheduler:
+    """One ``ggml_backend_sched`` over ``[backend, CPU]``, for graphs of up to ``graph_size`` nodes.
+
+    ``graph_size`` bounds nodes + leafs of the graphs it schedules (ggml asserts it); Graph
+    passes twice its node budget. Raises BackendError (via Backend) when the CPU cannot open.
+    """
+
+    def __init__(self, backend, graph_size: int):
+        from hotggml.graph import Backend  # graph imports this module lazily: no cycle at load
+
+        if graph_size < 1:
+            raise ValueError(f"graph_size must be >= 1, got {graph_size}")
+        self.lib = load()
+        self._own_cpu = None if backend.device_name == "CPU" else Backend("CPU")
+        self.backends = [backend] + ([self._own_cpu] if self._own_cpu else [])
+        ptrs = ffi.new("ggml_backend_t[]", [b._ptr for b in self.backends])
+        self._ptr = self.lib.ggml_backend_sched_new(ptrs, ffi.NULL, len(self.backends), graph_size, False, False)
+        self.graph_size = graph_size
+        self._assigned: list[tuple[object, object]] = []  # (tensor ptr, Backend)
+
+    def backend_named(self, device_name: str):
+        """The scheduler's Backend called ``device_name`` (registry spelling, case-insensitive)."""
+        for b in self.backends:
+            if b.device_name.upper() == device_name.upper():
+                return b
+        raise ValueError(f"no backend {device_name!r} in this scheduler (have: "
+                         f"{', '.join(b.device_name for b in self.backends)})")
+
+    def assign(self, tensor_ptr, device_name: str) -> None:
+        """Pin a node to one of the scheduler's backends (``ggml_backend_sched_set_tensor_backend``);
+        kept across runs: ggml forgets assignments at each reset, so they are re-applied before each split."""
+        self._assigned.append((tensor_ptr, self.backend_named(device_name)))
+
+    def _prepare(self, gf) -> None:
+        self.lib.ggml_backend_sched_reset(self._ptr)
+        for ptr, backend in self._assigned:
+            self.lib.ggml_backend_sched_set_tensor_backend(self._ptr, ptr, backend._ptr)
+
+    def split(self, gf) -> None:
+        """Place every node and split the graph without allocating anything (a probe's plan)."""
+        self._prepare(gf)
+        self.lib.ggml_backend_sched_split_graph(self._ptr, gf)
+
+    def alloc(self, gf) -> bool:
+        """Place, split and allocate the graph in the scheduler's per-backend buffers; False on failure."""
+        self._prepare(gf)
+        return bool(self.lib.ggml_backend_sched_alloc_graph(self._ptr, gf))
+
+    def compute(self, gf) -> int:
+        """Run the allocated graph split by split; returns ggml's status (0 = success)."""
+        status = self.lib.ggml_backend_sched_graph_compute(self._ptr, gf)
+        self.lib.ggml_backend_sched_synchronize(self._ptr)
+        return int(status)
+
+    def device_of(self, tensor_ptr) -> str | None:
+        """Registry name of the backend a placed node runs on, or None when the scheduler left it unplaced."""
+        b = self.lib.ggml_backend_sched_get_tensor_backend(self._ptr, tensor_ptr)
+        if b == ffi.NULL:
+            return None
+        return ffi.string(self.lib.ggml_backend_dev_name(self.lib.ggml_backend_get_device(b))).decode()
+
+    @property
+    def n_splits(self) -> int:
+        """ggml's count of graph splits after the last split/alloc."""
+        return int(self.lib.ggml_backend_sched_get_n_splits(self._ptr))
+
+    @property
+    def n_copies(self) -> int:
+        return int(self.lib.ggml_backend_sched_get_n_copies(self._ptr))
+
+    def close(self) -> None:
+        """Free the scheduler, then the CPU backend it opened (never the caller's backend)."""
+        if self._ptr is not None:
+            self.lib.ggml_backend_sched_free(self._ptr)
+            self._ptr = None
+        if self._own_cpu is not None:
+            self._own_cpu.close()
+            self._own_cpu = None
+
