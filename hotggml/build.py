@@ -91,8 +91,11 @@ def _run(cmd: list[str], log: Path) -> None:
 
 
 def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None,
-          extra_defines: dict[str, str] | None = None) -> BuildInfo:
+          extra_defines: dict[str, str] | None = None, tests: bool = False) -> BuildInfo:
     """Fetch the pin, apply the series, and build ``backend`` unless an identical build exists.
+
+    ``tests``: also build ggml's own tests (``ctest`` in ``<build_dir>/ggml``, ``test-backend-ops`` in
+    ``<build_dir>/lib``); the libraries are the same, so such a build is pointed at like a plain one.
 
     Returns the BuildInfo of the (possibly reused) build. Raises PinError / PatchError from the
     preparation steps, BuildError when CMake fails (the log path is in the message).
@@ -100,6 +103,8 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     from hotggml import prepare
 
     defines = cmake_defines(backend, cuda_arch, extra_defines)  # validates the backend name first
+    if tests:
+        defines["HOTGGML_BUILD_TESTS"] = "ON"
     prep = prepare.prepare()
     bdir = build_dir_for(backend, prep.pin, prep.series_hash, defines)
     info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=False)
@@ -159,6 +164,7 @@ def current_lib_dir(backend: str | None = None, series_hash: str | None = None) 
     for name in ([backend] if backend else ["cuda", "cpu"]):
         for done in sorted(paths.build_root().glob(f"{name}-*/.complete"), key=lambda p: p.stat().st_mtime, reverse=True):
             record = json.loads(done.read_text())
-            if record.get("series_hash") == series_hash and record.get("defines") == cmake_defines(name):
+            defines = {k: v for k, v in record.get("defines", {}).items() if k != "HOTGGML_BUILD_TESTS"}
+            if record.get("series_hash") == series_hash and defines == cmake_defines(name):
                 return done.parent / "lib"
     return found[0][1] if found else None

@@ -172,7 +172,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 
 def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add `build --backend cpu|cuda [--jobs N] [--cuda-arch A]`."""
+    """Add `build --backend cpu|cuda [--jobs N] [--cuda-arch A] [--tests] [-D KEY=VALUE]`."""
     parser = subparsers.add_parser("build", help="CMake build of the patched tree, keyed by pin + series")
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
@@ -180,6 +180,8 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
                         help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key; such builds "
                              "are checked to build, the tools keep loading the plain build)")
+    parser.add_argument("--tests", action="store_true",
+                        help="also build ggml's tests: ctest in <build>/ggml, test-backend-ops in <build>/lib")
     parser.set_defaults(func=_run_build)
 
 
@@ -193,7 +195,7 @@ def _run_build(args: argparse.Namespace) -> int:
             print(f"hotggml: error: --define wants KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
         extra[key] = value
-    info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra)
+    info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra, tests=args.tests)
     state = "built" if info.rebuilt else "up to date, not rebuilt"
     print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, series {info.series_hash[:12]})")
     return 0
