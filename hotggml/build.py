@@ -133,6 +133,45 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     return info
 
 
+@dataclass(frozen=True)
+class TestBuild:
+    """Where a build's ggml tests are: the ctest folder and the test-backend-ops program."""
+
+    name: str            # 'stock' or 'patched'
+    ctest_dir: Path
+    test_backend_ops: Path
+
+
+def build_with_tests(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None) -> TestBuild:
+    """The patched tree built with ggml's tests (``build(..., tests=True)``)."""
+    info = build(backend, jobs=jobs, cuda_arch=cuda_arch, tests=True)
+    return TestBuild("patched", info.build_dir / "ggml", info.lib_dir / "test-backend-ops")
+
+
+def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None) -> TestBuild:
+    """The pristine pin (vendor/ggml, verified by ``pin.fetch``) built as upstream builds it, with its
+    tests: the floor the patched tree is compared against. Keyed by pin + options; reused when complete.
+
+    Raises PinError when the pin cannot be materialized, BuildError when CMake fails.
+    """
+    from hotggml import pin
+
+    pin.fetch()
+    defines = cmake_defines(backend, cuda_arch)
+    defines["GGML_BUILD_TESTS"] = "ON"
+    bdir = paths.build_root() / f"stock-{backend}-{build_key(pin.UPSTREAM_COMMIT, 'stock', defines)}"
+    result = TestBuild("stock", bdir, bdir / "bin" / "test-backend-ops")
+    if (bdir / ".complete").is_file():
+        return result
+    bdir.mkdir(parents=True, exist_ok=True)
+    log = bdir / "build.log"
+    _run(["cmake", "-S", str(paths.VENDOR_DIR), "-B", str(bdir), *_generator(),
+          *[f"-D{k}={v}" for k, v in sorted(defines.items())]], log)
+    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log)
+    (bdir / ".complete").write_text(json.dumps({"pin": pin.UPSTREAM_COMMIT, "defines": defines}, indent=1) + "\n")
+    return result
+
+
 def _set_current(info: BuildInfo) -> None:
     """Point ``<state>/build/current-<backend>`` at a good build (atomic replace)."""
     pointer = paths.build_root() / f"current-{info.backend}.json"

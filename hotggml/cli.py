@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "memory": "hotggml.cli:add_memory_parser",
     "bench": "hotggml.cli:add_bench_parser",
     "probe": "hotggml.cli:add_probe_parser",
+    "floor": "hotggml.cli:add_floor_parser",
 }
 
 
@@ -217,8 +218,8 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
     parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
     parser.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
-    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "limits"),
-                        help="case set (repeatable; default smoke)")
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "limits", "field"),
+                        help="case set (repeatable; default smoke; field holds the long-context chunk)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
     parser.add_argument("--prec", choices=("default", "f32"), default="f32")
@@ -343,3 +344,51 @@ def _run_probe(args: argparse.Namespace) -> int:
                 refused += 1
                 print(f"REFUSED     {case.id:<24} {exc}")
     return 1 if refused else 0
+
+
+# -- floor ------------------------------------------------------------------------------
+
+def add_floor_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `floor --backend cpu|cuda [--device NAME] [--mode grad|test] [--op OP] [--no-stock] [--no-ctest]`."""
+    parser = subparsers.add_parser("floor", help="ggml's own tests: the patched tree no worse than stock, op for op")
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="what both trees are built for")
+    parser.add_argument("--device", default=None, help="test-backend-ops -b (default: CPU, or CUDA0 for cuda)")
+    parser.add_argument("--mode", dest="modes", action="append", choices=("grad", "test"),
+                        help="test-backend-ops mode (repeatable; default grad, plus test off the CPU)")
+    parser.add_argument("--op", dest="ops", action="append", help="only this op (repeatable; default every op)")
+    parser.add_argument("--no-stock", action="store_true",
+                        help="patched tree only: every case run must pass (for our own ops on a device)")
+    parser.add_argument("--no-ctest", action="store_true", help="skip ggml's ctest")
+    parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--cuda-arch", default=None)
+    parser.set_defaults(func=_run_floor)
+
+
+def _run_floor(args: argparse.Namespace) -> int:
+    from hotggml import build, floor
+
+    device = args.device or ("CPU" if args.backend == "cpu" else "CUDA0")
+    modes = args.modes or (["grad"] if device == "CPU" else ["test", "grad"])
+    patched = build.build_with_tests(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)
+    stock = None if args.no_stock else build.build_stock(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)
+    bad = False
+    if not args.no_ctest:
+        n, failed = floor.ctest_failures(patched, args.jobs)
+        line = f"ctest patched: {n - len(failed)}/{n} passed" + (f" (failed: {', '.join(failed)})" if failed else "")
+        if stock is not None:
+            n_s, failed_s = floor.ctest_failures(stock, args.jobs)
+            only = sorted(set(failed) - set(failed_s))
+            line += f"; stock: {n_s - len(failed_s)}/{n_s} passed; failing only when patched: {only or 'none'}"
+            bad |= bool(only)
+        else:
+            bad |= bool(failed)
+        print(line, flush=True)
+    for mode in modes:
+        if stock is None:
+            verdicts = [floor.judge(op, None, floor.run_op(patched.test_backend_ops, mode, device, op))
+                        for op in (args.ops or floor.list_ops(patched.test_backend_ops))]
+        else:
+            verdicts = floor.compare_ops(stock, patched, mode, device, args.ops)
+        print(floor.format_ops(verdicts, mode, device), flush=True)
+        bad |= any(not v.ok for v in verdicts)
+    return 1 if bad else 0

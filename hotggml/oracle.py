@@ -134,6 +134,13 @@ def _check_qkv(q, k, v):
 # core
 
 
+def _mm(a, b):
+    """Batched float64 matmul (BLAS; einsum would not use it). Products of tiny probabilities may
+    underflow to 0: benign, far below the sum's resolution."""
+    with np.errstate(under="ignore"):
+        return np.matmul(a, b)
+
+
 def _probs(q, k, mask, scale):
     """Return (P, lse, fully_masked) in float64 for validated inputs.
 
@@ -142,7 +149,7 @@ def _probs(q, k, mask, scale):
     B, Nh, S, _ = q.shape
     G = Nh // k.shape[1]
     kh = np.repeat(k, G, axis=1)  # head h -> kv head h // G
-    s = scale * np.einsum("bhid,bhjd->bhij", q, kh)
+    s = scale * _mm(q, kh.swapaxes(-1, -2))
     if mask is not None:
         s = s + mask[:, None, :, :]  # (Bm, 1, S, Skv) broadcast over heads (and batch if Bm == 1)
     m = s.max(axis=-1, keepdims=True)  # (B, Nh, S, 1); -inf exactly for fully masked rows
@@ -185,14 +192,14 @@ def attention_forward(q, k, v, mask, scale):
     mask = _check_mask(mask, B, S, k.shape[2])
     p, lse, _dead = _probs(q, k, mask, scale)
     G = Nh // k.shape[1]
-    o = np.einsum("bhij,bhjd->bhid", p, np.repeat(v, G, axis=1))
+    o = _mm(p, np.repeat(v, G, axis=1))
     return o, lse
 
 
-def attention_backward(q, k, v, mask, scale, do, dlse=None):
-    """Gradients of ``L = sum(do * o) + sum(dlse * lse)`` w.r.t. q, k, v, in float64.
+def attention_forward_backward(q, k, v, mask, scale, do, dlse=None):
+    """The forward and the gradients of ``L = sum(do * o) + sum(dlse * lse)`` w.r.t. q, k, v, in float64.
 
-    (o, lse) is ``attention_forward(q, k, v, mask, scale)``, recomputed here.
+    (o, lse) is ``attention_forward(q, k, v, mask, scale)``, computed once for both.
     Formulas: FlashAttention-2 (Dao 2023, arXiv:2307.08691, Alg. 2) with the
     lse cotangent added::
 
@@ -210,8 +217,8 @@ def attention_backward(q, k, v, mask, scale, do, dlse=None):
       dlse: None (treated as zeros) or (B, Nh, S) cotangent of lse.
 
     Returns:
-      (dq, dk, dv): float64 arrays of shapes (B, Nh, S, D), (B, Nkv, Skv, D),
-      (B, Nkv, Skv, Dv) -- the layouts of q, k, v.
+      (o, lse, dq, dk, dv): o and lse as in :func:`attention_forward`, then float64 arrays of
+      shapes (B, Nh, S, D), (B, Nkv, Skv, D), (B, Nkv, Skv, Dv) -- the layouts of q, k, v.
 
     Raises:
       ValueError: as in :func:`attention_forward`, plus ``do`` / ``dlse``
@@ -236,20 +243,26 @@ def attention_backward(q, k, v, mask, scale, do, dlse=None):
 
     kh = np.repeat(k, G, axis=1)
     vh = np.repeat(v, G, axis=1)
-    p, _lse, _dead = _probs(q, k, mask, scale)
-    o = np.einsum("bhij,bhjd->bhid", p, vh)
+    p, lse, _dead = _probs(q, k, mask, scale)
+    o = _mm(p, vh)
 
-    dv_h = np.einsum("bhij,bhid->bhjd", p, do)  # P^T dO, per query head
-    dp = np.einsum("bhid,bhjd->bhij", do, vh)  # dO V^T
+    dv_h = _mm(p.swapaxes(-1, -2), do)  # P^T dO, per query head
+    dp = _mm(do, vh.swapaxes(-1, -2))  # dO V^T
     Di = np.sum(do * o, axis=-1)  # rowsum(dO * O)
     ds = p * (dp - Di[..., None] + dlse[..., None])  # dead rows: 0 * finite = 0
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kh)
-    dk_h = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+    dq = scale * _mm(ds, kh)
+    dk_h = scale * _mm(ds.swapaxes(-1, -2), q)
 
     # head h = g * G + r reads kv head g: sum over r
     dk = dk_h.reshape(B, Nkv, G, Skv, -1).sum(axis=2)
     dv = dv_h.reshape(B, Nkv, G, Skv, Dv).sum(axis=2)
-    return dq, dk, dv
+    return o, lse, dq, dk, dv
+
+
+def attention_backward(q, k, v, mask, scale, do, dlse=None):
+    """Gradients ``(dq, dk, dv)`` of ``L = sum(do * o) + sum(dlse * lse)``: :func:`attention_forward_backward`
+    without the forward's results (same arguments, shapes and errors)."""
+    return attention_forward_backward(q, k, v, mask, scale, do, dlse)[2:]
 
 
 def masked_rows(mask, B, S):

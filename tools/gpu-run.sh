@@ -3,7 +3,9 @@
 #   bash tools/gpu-run.sh OUTDIR
 # Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
 # the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
-# probe, parity smoke + real on CUDA0 at both precisions, the CUDA tests, paired timings against the
+# probe, parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
+# grad modes), the long-context chunk on TF32 against the per-head float64 oracle, the CUDA tests (with
+# the split graph: forward on CUDA0, backward pinned to the CPU), paired timings against the
 # exact chain (information for the speed work, not a claim), probe at every field geometry, and the
 # named refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
@@ -45,10 +47,12 @@ step device pass nvidia-smi -L
 step mma-probe pass bash -c "nvcc -arch=sm_$arch -o /tmp/mma_probe tools/mma_probe.cu && /tmp/mma_probe"
 step fetch pass hg fetch ${sdist:+--sdist "$sdist"}
 step apply pass hg patches apply
-step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)"
+step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)" --tests
 step parity-f32 pass hg parity --backend cuda --set smoke --set real --prec f32 --json "$out/parity-f32.json"
 step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec default --json "$out/parity-tf32.json"
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
+step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
+step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py -q -m cuda -rs -p no:cacheprovider
 step bench-dit-full-1250 pass hg bench --backend cuda --case dit-self-full-1250 --runs 5
 step bench-lm-causal-1024 pass hg bench --backend cuda --case lm-causal-1024 --runs 5
