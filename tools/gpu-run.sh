@@ -9,7 +9,8 @@
 # exact chain (information for the speed work, not a claim), probe at every field geometry, and the
 # named refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
-# last. Exit status: 0 when every step gave what it must.
+# last. Exit status: 0 when every step gave what it must. ONLY='build|chunk-tf32' (a regex on step names)
+# runs a subset: a second call on a machine still warm reuses the build (a call runs 10 minutes at most).
 set -uo pipefail
 out=${1:?usage: bash tools/gpu-run.sh OUTDIR}
 mkdir -p "$out"
@@ -26,6 +27,7 @@ failed=0
 # step NAME EXPECT CMD...: run CMD, log it, record ok/FAIL (EXPECT: pass, or fail:REGEX for a named refusal)
 step() {
     local name=$1 expect=$2; shift 2
+    if [ -n "${ONLY:-}" ] && ! [[ $name =~ ^($ONLY)$ ]]; then return 0; fi
     local t0=$SECONDS rc
     echo "=== $name: $*" >> "$log"
     "$@" > "$out/step.log" 2>&1; rc=$?
