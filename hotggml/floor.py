@@ -36,6 +36,7 @@ class OpRun:
     cases: dict = field(default_factory=dict)
     crashed: bool = False
     returncode: int = 0
+    messages: dict = field(default_factory=dict)  # failing case -> what test-backend-ops said (e.g. MAA = ...)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class OpVerdict:
     stock: OpRun | None
     patched: OpRun
     regressions: list = field(default_factory=list)
+    flaky: list = field(default_factory=list)  # cases whose status changed between runs of one arm
 
     @property
     def ok(self) -> bool:
@@ -62,21 +64,28 @@ def _status(text: str) -> str:
 
 def parse_cases(output: str) -> dict[str, str]:
     """Case string -> worst status from test-backend-ops console output (ANSI colours removed)."""
+    return _parse(output)[0]
+
+
+def _parse(output: str) -> tuple[dict[str, str], dict[str, str]]:
     cases: dict[str, str] = {}
+    messages: dict[str, str] = {}
     for line in _ANSI.sub("", output).splitlines():
         m = _CASE.match(line)
         if not m:
             continue
         case, status = m.group(1), _status(m.group(2))
+        if status == "fail" and case not in messages:
+            messages[case] = m.group(2).replace("FAIL", "").strip()  # the first line says why
         if _RANK[status] >= _RANK.get(cases.get(case, "ok"), 0):
             cases[case] = status
-    return cases
+    return cases, messages
 
 
 def list_ops(program: Path) -> list[str]:
-    """The op names a test-backend-ops program knows (``--list-ops``)."""
+    """The op names a test-backend-ops program knows (``--list-ops``; its header and total line dropped)."""
     out = _run([str(program), "--list-ops"], timeout=60).stdout
-    return [line.strip() for line in out.splitlines()[1:] if line.strip()]
+    return [line.strip() for line in out.splitlines() if re.fullmatch(r"\s+[A-Z0-9_]+\s*", line)]
 
 
 def _run(cmd: list[str], timeout: int, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -90,37 +99,59 @@ def run_op(program: Path, mode: str, device: str, op: str, timeout: int = 900) -
     """Run one op's cases; rc 0 = all passed, 1 = some failed, anything else = the program aborted."""
     try:
         proc = _run([str(program), mode, "-o", op, "-b", device], timeout=timeout)
+        output, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return OpRun(parse_cases(out), crashed=True, returncode=124)
-    return OpRun(parse_cases(proc.stdout + proc.stderr), crashed=proc.returncode not in (0, 1),
-                 returncode=proc.returncode)
+        output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc = 124
+    cases, messages = _parse(output)
+    return OpRun(cases, crashed=rc not in (0, 1), returncode=rc, messages=messages)
 
 
-def judge(op: str, stock: OpRun | None, patched: OpRun) -> OpVerdict:
-    """Regressions of one op: stock passes where patched does not, or patched alone aborts."""
-    v = OpVerdict(op, stock, patched)
-    if stock is None:  # an op of ours: every supported case must pass, and the program must finish
-        v.regressions += [f"{c}: {s}" for c, s in patched.cases.items() if s == "fail"]
-        if patched.crashed:
-            v.regressions.append(f"aborted (rc {patched.returncode})")
+def judge(op: str, stock: OpRun | list[OpRun] | None, patched: OpRun | list[OpRun]) -> OpVerdict:
+    """Regressions of one op: stock passes where patched does not, or patched alone aborts.
+
+    With several runs per arm (reruns of an op that differed), a case regresses only when it passed
+    in every stock run and in no patched run: ggml's cases draw fresh random inputs each run, and some
+    of stock's own grad cases pass or fail by the draw (reported as flaky, not as regressions).
+    """
+    stock_runs = [stock] if isinstance(stock, OpRun) else (stock or [])
+    patched_runs = [patched] if isinstance(patched, OpRun) else patched
+    v = OpVerdict(op, stock_runs[0] if stock_runs else None, patched_runs[0])
+    if not stock_runs:  # an op of ours: every supported case must pass, and the program must finish
+        for run in patched_runs:
+            v.regressions += [f"{c}: {run.messages.get(c, s)}" for c, s in run.cases.items() if s == "fail"]
+            if run.crashed:
+                v.regressions.append(f"aborted (rc {run.returncode})")
         return v
-    for case, status in stock.cases.items():
-        if status == "ok" and patched.cases.get(case, "missing") not in ("ok", "skipped"):
-            v.regressions.append(f"{case}: stock ok, patched {patched.cases.get(case, 'missing')}")
-    if patched.crashed and not stock.crashed:
-        v.regressions.append(f"aborted when patched only (rc {patched.returncode})")
+    for case in dict.fromkeys(c for run in stock_runs for c in run.cases):
+        if not all(run.cases.get(case) == "ok" for run in stock_runs):
+            continue
+        got = [run.cases.get(case, "missing") for run in patched_runs]
+        if all(g not in ("ok", "skipped") for g in got):
+            v.regressions.append(f"{case}: stock ok, patched {patched_runs[0].messages.get(case, got[0])}")
+        elif any(g not in ("ok", "skipped") for g in got):
+            v.flaky.append(case)
+    if all(run.crashed for run in patched_runs) and not any(run.crashed for run in stock_runs):
+        v.regressions.append(f"aborted when patched only (rc {patched_runs[0].returncode})")
     return v
 
 
 def compare_ops(stock: TestBuild, patched: TestBuild, mode: str, device: str,
-                ops: list[str] | None = None) -> list[OpVerdict]:
-    """Every op (or ``ops``) of the patched program, in ``mode`` on ``device``, against stock."""
+                ops: list[str] | None = None, reruns: int = 2) -> list[OpVerdict]:
+    """Every op (or ``ops``) of the patched program, in ``mode`` on ``device``, against stock; an op
+    that differs is run ``reruns`` more times on both arms before it is called a regression."""
     stock_ops = set(list_ops(stock.test_backend_ops))
     verdicts = []
     for op in ops or list_ops(patched.test_backend_ops):
-        base = run_op(stock.test_backend_ops, mode, device, op) if op in stock_ops else None
-        verdicts.append(judge(op, base, run_op(patched.test_backend_ops, mode, device, op)))
+        base = [run_op(stock.test_backend_ops, mode, device, op)] if op in stock_ops else []
+        mine = [run_op(patched.test_backend_ops, mode, device, op)]
+        v = judge(op, base, mine)
+        if base and not v.ok:
+            for _ in range(reruns):
+                base.append(run_op(stock.test_backend_ops, mode, device, op))
+                mine.append(run_op(patched.test_backend_ops, mode, device, op))
+            v = judge(op, base, mine)
+        verdicts.append(v)
     return verdicts
 
 
@@ -151,7 +182,8 @@ def format_ops(verdicts: list[OpVerdict], mode: str, device: str) -> str:
             s == "fail" for s in v.patched.cases.values())
         if interesting:
             lines.append(f"  {v.op:<24} {counts(v.stock):<22} {counts(v.patched):<22} "
-                         + ("ok" if v.ok else "REGRESSION: " + "; ".join(v.regressions[:3])))
+                         + ("ok" if v.ok else "REGRESSION: " + "; ".join(v.regressions[:3]))
+                         + (f" ({len(v.flaky)} flaky case(s) across reruns)" if v.flaky else ""))
     bad = [v.op for v in verdicts if not v.ok]
     n_cases = sum(len(v.patched.cases) for v in verdicts)
     lines.append(f"{len(verdicts)} ops, {n_cases} cases: " + (f"{len(bad)} regressed ({', '.join(bad)})" if bad

@@ -50,3 +50,19 @@ def test_judge_new_op_must_pass_every_supported_case():
     assert floor.judge("NEW", None, _run(a="ok", b="unsupported")).ok
     assert not floor.judge("NEW", None, _run(a="ok", b="fail")).ok
     assert not floor.judge("NEW", None, _run(crashed=True, a="ok")).ok
+
+
+def test_failures_keep_what_test_backend_ops_said():
+    cases, messages = floor._parse(OUT)
+    assert messages == {"SUM(type=f32,ne=[10,5,4,3])": "[SUM] MAA = 0.2 > 0.0001"}
+    v = floor.judge("SUM", None, floor.OpRun(cases, messages=messages))
+    assert v.regressions == ["SUM(type=f32,ne=[10,5,4,3]): [SUM] MAA = 0.2 > 0.0001"]
+
+
+def test_judge_over_reruns_separates_flaky_from_regressed():
+    stock = [_run(a="ok", b="ok", c="ok"), _run(a="ok", b="ok", c="ok")]
+    patched = [_run(a="fail", b="ok", c="ok"), _run(a="fail", b="fail", c="ok")]
+    v = floor.judge("OP", stock, patched)
+    assert [r.split(":")[0] for r in v.regressions] == ["OP(x=a)"] and v.flaky == ["OP(x=b)"]
+    # a case stock itself fails in some run is no floor at all
+    assert floor.judge("OP", [_run(a="ok"), _run(a="fail")], [_run(a="fail"), _run(a="fail")]).ok
