@@ -12,6 +12,8 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from hotggml.cases import Case
 from hotggml.graph import Backend, Graph
 from hotggml.parity import build_chain, build_fused
@@ -113,3 +115,108 @@ def format_timing(t: TimingResult) -> str:
             f"  fused median {t.fused_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.fused_s) + "\n"
             f"  chain median {t.chain_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.chain_s) + "\n"
             f"  fused/chain time ratio {t.ratio:.3f}")
+
+
+# -- the field table (issue: fused faster than the exact chain at every real shape) ---------------
+
+def visible_pairs(case: Case) -> int:
+    """(query, key) pairs the mask leaves visible, summed over the batch (S * Skv * B without a mask)."""
+    mask = case.mask_array()
+    if mask is None:
+        return case.S * case.Skv * case.B
+    live = int(np.count_nonzero(~np.isneginf(mask[:, : case.S])))
+    return live * (case.B if mask.shape[0] == 1 else 1)
+
+
+def attention_flops(case: Case) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one attention site: forward 2 (D + Dv) Nh x visible pairs (QK^T
+    and PV), backward 2.5x that (dV, dP, dQ, dK and the recomputed S: FlashAttention-2's count)."""
+    fwd = 2 * (case.D + case.dv) * case.Nh * visible_pairs(case)
+    return fwd, fwd * 5 // 2
+
+
+def tf32_ceiling(device: str, n: int = 8192, runs: int = 5) -> float:
+    """TFLOP/s of ggml's own f32 mul_mat [n, n] x [n, n] on ``device`` (cuBLAS with TF32 tensor cores
+    on CUDA): the ceiling the fused kernels are read against, measured in the same call. Median of runs."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    with Backend(device) as be, Graph(be) as g:
+        out = g.mul_mat(g.input(a, "a"), g.input(a.T.copy(), "b"))
+        g.build([out])
+        g.compute()  # warm-up
+        secs = statistics.median(g.compute() for _ in range(runs))
+    return 2 * n**3 / secs / 1e12
+
+
+@dataclass
+class FieldRow:
+    """One geometry: medians (s) per arm, arena bytes per site, FLOPs of fwd+bwd."""
+
+    case: str
+    shape: str
+    fused_tf32: float
+    fused_f32: float | None
+    chain: float | None
+    fused_arena: int
+    chain_arena: int | None
+    flops: int
+
+    @property
+    def ratio(self) -> float | None:
+        return self.fused_tf32 / self.chain if self.chain else None
+
+
+def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, with_chain: bool = True,
+              warmup: int = 1) -> FieldRow:
+    """Time the fused fwd+bwd (TF32 path and f32 path) and the exact chain at ``case``, interleaved."""
+    with Backend(device) as be:
+        graphs = {}
+        try:
+            for arm, prec in (("fused_tf32", "default"), ("fused_f32", "f32"), ("chain", None)):
+                if (arm == "fused_f32" and not with_f32) or (arm == "chain" and not with_chain):
+                    continue
+                g = graphs[arm] = Graph(be)
+                build_chain(g, case) if prec is None else build_fused(g, case, prec)
+            arenas = {arm: g.arena_bytes() for arm, g in graphs.items()}
+            times = {arm: [] for arm in graphs}
+            names = list(graphs)
+            for r in range(warmup + runs):
+                for arm in (names if r % 2 == 0 else names[::-1]):
+                    secs = graphs[arm].compute()
+                    if r >= warmup:
+                        times[arm].append(secs)
+        finally:
+            for g in graphs.values():
+                g.close()
+    med = {arm: statistics.median(t) for arm, t in times.items()}
+    fwd, bwd = attention_flops(case)
+    return FieldRow(case.id, case.shape, med["fused_tf32"], med.get("fused_f32"), med.get("chain"),
+                    arenas["fused_tf32"], arenas.get("chain"), fwd + bwd)
+
+
+def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
+    head = (f"{'case':<24} {'tf32 ms':>9} {'f32 ms':>9} {'chain ms':>9} {'tf32/chain':>10} {'TFLOP/s':>8} "
+            f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}")
+    lines = [f"fwd+bwd per attention site on {device}; TF32 ceiling (ggml mul_mat 8192^3) {ceiling:.1f} TFLOP/s",
+             head, "-" * len(head)]
+    for r in rows:
+        tflops = r.flops / r.fused_tf32 / 1e12
+        def ms(x):
+            return f"{x * 1e3:9.2f}" if x is not None else f"{'-':>9}"
+        lines.append(f"{r.case:<24} {ms(r.fused_tf32)} {ms(r.fused_f32)} {ms(r.chain)} "
+                     + (f"{r.ratio:10.3f}" if r.ratio is not None else f"{'-':>10}")
+                     + f" {tflops:8.1f} {100 * tflops / ceiling:6.1f} {r.fused_arena / 2**20:9.1f} "
+                     + (f"{r.chain_arena / 2**20:9.1f} {100 * r.fused_arena / r.chain_arena:7.1f}"
+                        if r.chain_arena else f"{'-':>9} {'-':>7}"))
+    return "\n".join(lines)
+
+
+def profile_by_op(case: Case, device: str, prec: str | None) -> dict[str, float]:
+    """Seconds per op name over the fwd+bwd graph computed node by node (prec None: the exact chain)."""
+    with Backend(device) as be, Graph(be, scheduled=True) as g:
+        build_chain(g, case) if prec is None else build_fused(g, case, prec)
+        g.compute()  # warm-up: first-use costs (cuBLAS handles, pool growth) are not a node's time
+        out: dict[str, float] = {}
+        for t, secs in g.profile():
+            out[t.op_name] = out.get(t.op_name, 0.0) + secs
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -295,10 +295,17 @@ def _run_memory(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add `bench [--backend NAME] [--case ID] [--threads N] [--runs N]`."""
+    """Add `bench [--backend NAME] [--case ID | --set field [-p REGEX]] [--runs N] [--json PATH] [--profile]`."""
     parser = subparsers.add_parser("bench", help="paired interleaved fwd+bwd timing, fused vs exact chain")
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--case", default="dit-self-full-1250", help="a case id from the smoke/real sets")
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field"),
+                        help="the table over a case set: TF32 and f32 fused vs chain, TFLOP/s, arenas")
+    parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids (with --set)")
+    parser.add_argument("--no-f32", action="store_true", help="table without the f32 path's time")
+    parser.add_argument("--no-chain", action="store_true", help="table without the exact chain")
+    parser.add_argument("--profile", action="store_true", help="also time every node (per op, each arm)")
+    parser.add_argument("--json", metavar="PATH", help="also write the table's rows as JSON")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
     parser.set_defaults(func=_run_bench)
@@ -307,6 +314,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from hotggml import bench, cases
 
+    if args.sets:
+        return _run_bench_table(args)
     found = [c for c in cases.SMOKE + cases.REAL + cases.FIELD if c.id == args.case]
     if not found:
         known = ", ".join(dict.fromkeys(c.id for c in cases.SMOKE + cases.REAL + cases.FIELD))
@@ -314,6 +323,40 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     result = bench.time_pair(found[0], resolve_device(args.backend), args.threads, args.runs)
     print(bench.format_timing(result))
+    return 0
+
+
+def _run_bench_table(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from hotggml import bench, cases
+
+    selected = cases.select(args.sets, args.pattern)
+    if not selected:
+        print(f"hotggml: error: no case of {args.sets} matches {args.pattern!r}", file=sys.stderr)
+        return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"hotggml: error: --json {args.json}: no such folder", file=sys.stderr)
+        return 2
+    device = resolve_device(args.backend)
+    ceiling = bench.tf32_ceiling(device)
+    rows = []
+    for case in selected:
+        rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain))
+        print(f"timed {case.id}", file=sys.stderr, flush=True)
+        if args.profile:
+            for arm, prec in (("fused tf32", "default"), ("chain", None)):
+                if prec is None and args.no_chain:
+                    continue
+                ops = bench.profile_by_op(case, device, prec)
+                print(f"  profile {case.id} {arm}: " + ", ".join(f"{op} {s * 1e3:.2f} ms" for op, s in ops.items()
+                                                               if s >= 0.01 * sum(ops.values())), flush=True)
+    print(bench.format_field(rows, ceiling, device))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "tf32_ceiling_tflops": ceiling,
+                                               "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
     return 0
 
 

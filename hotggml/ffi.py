@@ -162,6 +162,8 @@ enum ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, st
 void ggml_backend_sched_synchronize(ggml_backend_sched_t sched);
 int ggml_backend_sched_get_n_splits(ggml_backend_sched_t sched);
 int ggml_backend_sched_get_n_copies(ggml_backend_sched_t sched);
+typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
+void ggml_backend_sched_set_eval_callback(ggml_backend_sched_t sched, ggml_backend_sched_eval_callback callback, void * user_data);
 
 ggml_gallocr_t ggml_gallocr_new(ggml_backend_buffer_type_t buft);
 void ggml_gallocr_free(ggml_gallocr_t galloc);

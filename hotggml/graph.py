@@ -418,6 +418,32 @@ class Graph:
         kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
         supported by the backend (ggml would otherwise abort). Returns the seconds the compute took.
         """
+        self._prepare_run(poison)
+        t0 = time.perf_counter()
+        status = self._run()
+        seconds = time.perf_counter() - t0
+        if status != 0:
+            raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
+        self._computed = True
+        return seconds
+
+    def profile(self) -> list[tuple[Tensor, float]]:
+        """Compute once through the scheduler, node by node: (node, seconds) in graph order.
+
+        For attributing time to kernels (hotggml.sched.Scheduler.time_nodes says what a node's time
+        includes); the values are the graph's real results. Raises RuntimeError unless scheduled=True.
+        """
+        sched = self._need_sched()
+        self._prepare_run(())
+        try:
+            timed = sched.time_nodes(self.gf)
+        except RuntimeError as exc:
+            raise BackendError(f"{exc} on {self.backend.device_name}") from None
+        self._computed = True
+        return [(Tensor(self, ptr), secs) for ptr, secs in timed]
+
+    def _prepare_run(self, poison) -> None:
+        """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors."""
         self._need_graph()
         self._allocate()
         for t, arr in self._uploads:
@@ -428,13 +454,6 @@ class Graph:
             self.lib.ggml_backend_tensor_set(g, ffi.from_buffer(one), 0, 4)
         for t in poison:
             self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
-        t0 = time.perf_counter()
-        status = self._run()
-        seconds = time.perf_counter() - t0
-        if status != 0:
-            raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
-        self._computed = True
-        return seconds
 
     def read(self, t: Tensor) -> np.ndarray:
         """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured).

@@ -5,8 +5,9 @@
 # the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
 # probe, parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
 # grad modes), the long-context chunk on TF32 against the per-head float64 oracle, the CUDA tests (with
-# the split graph: forward on CUDA0, backward pinned to the CPU), paired timings against the
-# exact chain (information for the speed work, not a claim), probe at every field geometry, and the
+# the split graph: forward on CUDA0, backward pinned to the CPU), the field table (TF32 and f32 fused vs
+# the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, a per-node
+# profile), probe at every field geometry, and the
 # named refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
 # last. Exit status: 0 when every step gave what it must. ONLY='build|chunk-tf32' (a regex on step names)
@@ -55,9 +56,9 @@ step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec def
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
 step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
-step cuda-tests pass python3 -m pytest tests/test_cuda.py -q -m cuda -rs -p no:cacheprovider
-step bench-dit-full-1250 pass hg bench --backend cuda --case dit-self-full-1250 --runs 5
-step bench-lm-causal-1024 pass hg bench --backend cuda --case lm-causal-1024 --runs 5
+step cuda-tests pass python3 -m pytest tests/test_cuda.py -v -m cuda -rs -p no:cacheprovider
+step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
+step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --no-f32 --json "$out/bench-chunk.json"
 step probe-field pass hg probe --backend cuda --set field
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
