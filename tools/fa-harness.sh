@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Kernel iteration on the GPU machine without a ggml build (seconds, not minutes):
+#   bash tools/fa-harness.sh OUTDIR "S Skv Nh Nkv D [causal]" ...
+# materializes and patches the pin (as tools/gpu-run.sh), compiles tools/fa_train_harness.cu against the
+# patched fattn-train.cu, and runs it once per shape argument. Output to OUTDIR/harness.log and stdout.
+set -uo pipefail
+out=${1:?usage: bash tools/fa-harness.sh OUTDIR SHAPE...}; shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hotggml-site .whl/*.whl || exit 2
+    export PYTHONPATH="/tmp/hotggml-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
+{
+    python3 -m hotggml fetch ${sdist:+--sdist "$sdist"} && python3 -m hotggml patches apply || exit 1
+    w=.hotggml/work/ggml
+    nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
+        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness || exit 1
+    for shape in "$@"; do
+        /tmp/fa_harness $shape || exit 1
+    done
+} 2>&1 | tee "$out/harness.log"

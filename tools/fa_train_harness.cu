@@ -1,0 +1,144 @@
+// Standalone harness for the flash-attn-train CUDA kernels: builds in seconds (one translation unit, no
+// ggml build), runs the kernels of the patched fattn-train.cu directly on random inputs, and prints each
+// TF32 kernel's worst error against the scalar f32 kernel and its median time over repeated launches.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -I$W/include -I$W/src -I$W/src/ggml-cuda tools/fa_train_harness.cu \
+//        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness   (W = .hotggml/work/ggml)
+//   /tmp/fa_harness S Skv Nh Nkv D [causal]
+//
+// The host functions of fattn-train.cu (dispatch, supports_op) reference ggml-cuda symbols this program
+// does not link; they are never called here. For kernel iteration only: claims come from hotggml bench.
+#include "ggml-cuda/fattn-train.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); exit(1); } } while (0)
+
+static float * dev_upload(const std::vector<float> & h) {
+    float * d; CK(cudaMalloc(&d, h.size()*sizeof(float)));
+    CK(cudaMemcpy(d, h.data(), h.size()*sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <typename F>
+static float time_ms(F launch, int reps = 7) {
+    cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+    launch(); CK(cudaDeviceSynchronize());
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(a)); launch(); CK(cudaEventRecord(b)); CK(cudaEventSynchronize(b));
+        float ms; CK(cudaEventElapsedTime(&ms, a, b)); t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size()/2];
+}
+
+static double worst_rel(const std::vector<float> & x, const std::vector<float> & ref) {
+    double num = 0, den = 1e-5;
+    for (size_t i = 0; i < x.size(); ++i) { num = std::max(num, (double) fabsf(x[i] - ref[i])); den = std::max(den, (double) fabsf(ref[i])); }
+    return num/den;
+}
+
+template <typename K>
+static void launch_k(K kernel, dim3 grid, dim3 nt, size_t smem, const fa_train_params & p) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    kernel<<<grid, nt, smem>>>(p);
+    CK(cudaGetLastError());
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 6) { printf("usage: %s S Skv Nh Nkv D [causal]\n", argv[0]); return 2; }
+    const int S = atoi(argv[1]), Skv = atoi(argv[2]), Nh = atoi(argv[3]), Nkv = atoi(argv[4]), D = atoi(argv[5]);
+    const bool causal = argc > 6;
+    std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) D*Skv*Nkv);
+    for (auto & x : q) x = u(gen); for (auto & x : k) x = u(gen); for (auto & x : v) x = u(gen);
+    std::vector<half> m;
+    if (causal) {
+        m.resize((size_t) S*Skv);
+        for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) m[(size_t) i*Skv + j] = __float2half(j <= i + (Skv - S) ? 0.0f : -INFINITY);
+    }
+    fa_train_params p = {};
+    p.q = dev_upload(q); p.k = dev_upload(k); p.v = dev_upload(v);
+    p.q_nb1 = D; p.q_nb2 = (int64_t) D*S; p.q_nb3 = (int64_t) D*S*Nh;
+    p.k_nb1 = D; p.k_nb2 = (int64_t) D*Skv; p.k_nb3 = (int64_t) D*Skv*Nkv;
+    p.v_nb1 = D; p.v_nb2 = p.k_nb2; p.v_nb3 = p.k_nb3;
+    if (causal) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
+    p.m_ne3 = 1;
+    p.D = D; p.Dv = D; p.S = S; p.Skv = Skv; p.Nh = Nh; p.Nkv = Nkv; p.B = 1; p.gqa = Nh/Nkv; p.scale = 1.0f/sqrtf((float) D);
+    p.vec_q = p.vec_k = p.vec_v = D % 4 == 0;
+    const size_t nO = (size_t) D*Nh*S, nL = (size_t) Nh*S;
+    CK(cudaMalloc(&p.O, nO*sizeof(float))); CK(cudaMalloc(&p.LSE, nL*sizeof(float)));
+
+    auto run_read = [&](auto launch, std::vector<float> & O, std::vector<float> & L) {
+        CK(cudaMemset(p.O, 0xFF, nO*sizeof(float))); CK(cudaMemset(p.LSE, 0xFF, nL*sizeof(float)));
+        launch(); CK(cudaDeviceSynchronize());
+        O.resize(nO); L.resize(nL);
+        CK(cudaMemcpy(O.data(), p.O, nO*sizeof(float), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(L.data(), p.LSE, nL*sizeof(float), cudaMemcpyDeviceToHost));
+    };
+    auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; launch_k(fa_train_fwd_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 0).total*sizeof(float), p); };
+    auto v1 = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_fwd_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 0).total*sizeof(float), p); };
+    auto v2 = [&]() { fa_train_fwd_tf32_reg_launch(fa_reg_get_shape(D, D), p, 0); CK(cudaGetLastError()); };
+
+    std::vector<float> Or, Lr, O1, L1, O2, L2;
+    run_read(f32, Or, Lr); run_read(v1, O1, L1);
+    const bool have_v2 = fa_reg_get_shape(D, D).D != 0;
+    if (have_v2) run_read(v2, O2, L2);
+    const double flops = 2.0*(2.0*D)*Nh*(causal ? (double) S*Skv - (double) S*(S - 1)/2 : (double) S*Skv);
+    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, causal ? "causal" : "none");
+    const float tf = time_ms(f32), t1 = time_ms(v1);
+    printf("  f32      %8.3f ms  %6.1f TFLOP/s\n", tf, flops/tf/1e9);
+    printf("  tf32 v1  %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e\n", t1, flops/t1/1e9, worst_rel(O1, Or), worst_rel(L1, Lr));
+    if (have_v2) {
+        const float t2 = time_ms(v2);
+        printf("  tf32 reg %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e  (v1/reg %.2fx)\n", t2, flops/t2/1e9, worst_rel(O2, Or), worst_rel(L2, Lr), t1/t2);
+    }
+
+    // backward: O and LSE of the f32 forward, random dO, D_i; each path's dQ, dK, dV against the f32 kernels'
+    std::vector<float> dO(nO);
+    for (auto & x : dO) x = u(gen);
+    p.dO = dev_upload(dO);
+    CK(cudaMemcpy(p.O, Or.data(), nO*sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(p.LSE, Lr.data(), nL*sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&p.Di, nL*sizeof(float)));
+    fa_train_di<<<(nL + 255)/256, 256>>>(p);
+    const size_t nQ = q.size(), nK = k.size();
+    CK(cudaMalloc(&p.dQ, nQ*sizeof(float))); CK(cudaMalloc(&p.dK, nK*sizeof(float))); CK(cudaMalloc(&p.dV, nK*sizeof(float)));
+    auto grads = [&](auto dq, auto dkv, std::vector<float> * out) {
+        CK(cudaMemset(p.dQ, 0xFF, nQ*sizeof(float))); CK(cudaMemset(p.dK, 0xFF, nK*sizeof(float))); CK(cudaMemset(p.dV, 0xFF, nK*sizeof(float)));
+        dq(); dkv(); CK(cudaDeviceSynchronize());
+        out[0].resize(nQ); out[1].resize(nK); out[2].resize(nK);
+        CK(cudaMemcpy(out[0].data(), p.dQ, nQ*sizeof(float), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(out[1].data(), p.dK, nK*sizeof(float), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(out[2].data(), p.dV, nK*sizeof(float), cudaMemcpyDeviceToHost));
+    };
+    auto dq_f32  = [&]() { const int R = FA_TRAIN_F32_BR; launch_k(fa_train_bwd_dq_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 1).total*sizeof(float), p); };
+    auto dkv_f32 = [&]() { const int BC = FA_TRAIN_BC; launch_k(fa_train_bwd_dkv_f32, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 2).total*sizeof(float), p); };
+    auto dq_v1   = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dq_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 1).total*sizeof(float), p); };
+    auto dkv_v1  = [&]() { const int N = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dkv_tf32, dim3((Skv + N - 1)/N, Nkv, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 2).total*sizeof(float), p); };
+    const fa_reg_shape rs = fa_reg_get_shape(D, D);
+    auto dq_reg  = [&]() { fa_train_bwd_dq_tf32_reg_launch(rs, p, 0); };
+    auto dkv_reg = [&]() { fa_train_bwd_dkv_tf32_reg_launch(rs, p, 0); };
+    std::vector<float> gr[3], g1[3], g2[3];
+    grads(dq_f32, dkv_f32, gr);
+    grads(dq_v1, dkv_v1, g1);
+    const double bflops = 2.5*flops;
+    const float tdq_f = time_ms(dq_f32), tkv_f = time_ms(dkv_f32), tdq1 = time_ms(dq_v1), tkv1 = time_ms(dkv_v1);
+    printf("bwd\n  f32      dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s\n", tdq_f, tkv_f, bflops/(tdq_f + tkv_f)/1e9);
+    printf("  tf32 v1  dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e\n", tdq1, tkv1, bflops/(tdq1 + tkv1)/1e9,
+           worst_rel(g1[0], gr[0]), worst_rel(g1[1], gr[1]), worst_rel(g1[2], gr[2]));
+    if (have_v2) {
+        const bool kv_reg = fa_reg_dkv_smem(rs) != 0;
+        grads(dq_reg, [&]() { if (kv_reg) dkv_reg(); else dkv_v1(); }, g2);
+        const float tdq2 = time_ms(dq_reg), tkv2 = kv_reg ? time_ms(dkv_reg) : tkv1;
+        printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms%s  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
+               kv_reg ? "" : " (v1)", bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
+               (tdq1 + tkv1)/(tdq2 + tkv2));
+    }
+    return 0;
+}
