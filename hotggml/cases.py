@@ -27,7 +27,12 @@ class Case:
     when the spread is small); garbage puts NaN into k and v at every key masked for all rows (the
     kernels must never let them reach a result; the references get the finite values). Cases
     tagged 'cancel' measure dQ and dK against their natural magnitude (parity.natural_magnitudes),
-    since the reference is ~0 there."""
+    since the reference is ~0 there.
+
+    Implicit masks (never stored; the fused op decides them from indices): ``causal`` hides key j from
+    query i when j > i + Skv - S, ``window`` when |i + Skv - S - j| > window. ``mask`` is the stored
+    additive mask the fused op reads; mask_array() is everything together, made explicit, which the
+    references (oracle, exact chain) use."""
 
     name: str
     B: int = 1
@@ -50,6 +55,8 @@ class Case:
     v_offset: float = 0.0
     v_spread: float = 1.0
     garbage: bool = False
+    causal: bool = False
+    window: int | None = None
     seed: int = 0
     tags: tuple[str, ...] = field(default=())
 
@@ -62,6 +69,8 @@ class Case:
             raise ValueError(f"case {self.name}: masked row beyond S")
         if any(j >= self.Skv for j in self.masked_keys):
             raise ValueError(f"case {self.name}: masked key beyond Skv")
+        if self.window is not None and self.window < 0:
+            raise ValueError(f"case {self.name}: window must be >= 0 or None")
 
     @property
     def id(self) -> str:
@@ -77,14 +86,36 @@ class Case:
 
     @property
     def shape(self) -> str:
+        implicit = ("+causal" if self.causal else "") + (f"+window{self.window}" if self.window is not None else "")
         return (f"B{self.B} Nh{self.Nh} Nkv{self.Nkv} D{self.D}" + (f" Dv{self.dv}" if self.Dv else "") +
-                f" S{self.S} Skv{self.Skv} {self.mask}")
+                f" S{self.S} Skv{self.Skv} {self.mask}{implicit}")
 
     def has_mask(self) -> bool:
+        """Whether the fused op reads a stored mask (implicit masks are not stored)."""
         return self.mask != "none" or bool(self.masked_rows) or bool(self.masked_keys)
 
+    def has_implicit(self) -> bool:
+        return self.causal or self.window is not None
+
     def mask_array(self) -> np.ndarray | None:
-        """Additive mask, float16 (Bm, S', Skv) with Bm in {1, B}, or None; -inf where masked."""
+        """Every mask of the case made explicit: float16 (Bm, S', Skv), Bm in {1, B}, -inf where masked;
+        None when there is none. The references use this; the fused op reads stored_mask()."""
+        stored = self.stored_mask()
+        if not self.has_implicit():
+            return stored
+        m = stored.astype(np.float32) if stored is not None else np.zeros((1, self.S, self.Skv), np.float32)
+        i = np.arange(m.shape[1])[:, None] + (self.Skv - self.S)
+        j = np.arange(self.Skv)[None, :]
+        hidden = np.zeros(m.shape[1:], dtype=bool)
+        if self.causal:
+            hidden |= j > i
+        if self.window is not None:
+            hidden |= np.abs(i - j) > self.window
+        m[:, hidden] = -np.inf
+        return m.astype(np.float16)
+
+    def stored_mask(self) -> np.ndarray | None:
+        """The additive mask the fused op reads, float16 (Bm, S', Skv) with Bm in {1, B}, or None."""
         if not self.has_mask():
             return None
         rng = np.random.default_rng(self.seed + 1000)
@@ -172,6 +203,14 @@ SMOKE = [
     Case("reg-view-padding", B=2, Nh=4, Nkv=2, D=64, S=70, Skv=90, mask="padding", pad_keys=3, q_view=True,
          garbage=True),
     Case("reg-causal-tail", Nh=4, Nkv=1, D=128, S=40, Skv=100, mask="causal"),
+    # implicit masks (no stored mask; the references get them made explicit): a causal tail under GQA, a
+    # window over an additive bias, causal + window + stored padding with NaN padding keys (register
+    # kernels' D on CUDA), and the causal tail at D = 128
+    Case("implicit-causal-tail", Nh=4, Nkv=2, D=16, S=13, Skv=40, causal=True),
+    Case("implicit-window-bias", Nh=2, Nkv=1, D=8, S=33, Skv=33, mask="bias", window=4),
+    Case("implicit-causal-window-padding", B=2, Nh=4, Nkv=2, D=64, S=70, Skv=90, mask="padding", pad_keys=3,
+         causal=True, window=20, garbage=True),
+    Case("implicit-causal-d128", Nh=4, Nkv=1, D=128, S=40, Skv=100, causal=True),
 ]
 
 # SPEC §7 shapes that fit the CPU
@@ -185,15 +224,16 @@ REAL = [
 ]
 
 # every SPEC §7 geometry (what users train at): for probe and for benchmarks on a device, not for the
-# CPU parity gate (the oracle would need tens of GB at the largest)
+# CPU parity gate (the oracle would need tens of GB at the largest). Causal and window masks are implicit
+# here, as a trainer would pass them (no S x Skv mask in memory); REAL keeps them stored
 FIELD = [
-    *(Case(f"dit-self-window-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, mask="band", band=128) for s in (625, 1250, 3000)),
+    *(Case(f"dit-self-window-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, window=128) for s in (625, 1250, 3000)),
     *(Case(f"dit-self-full-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s) for s in (625, 1250, 3000)),
     Case("dit-cross-1250x1877", Nh=16, Nkv=8, D=128, S=1250, Skv=1877, mask="padding", pad_keys=200),
     Case("dit-cross-1250x640", Nh=16, Nkv=8, D=128, S=1250, Skv=640, mask="padding", pad_keys=64),
-    *(Case(f"lm-causal-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, mask="causal") for s in (1024, 2113, 3500)),
-    *(Case(f"lm4b-causal-{s}", Nh=32, Nkv=8, D=128, S=s, Skv=s, mask="causal") for s in (1024, 2113, 3500)),
-    Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, mask="causal"),
+    *(Case(f"lm-causal-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
+    *(Case(f"lm4b-causal-{s}", Nh=32, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
+    Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True),
 ]
 
 # shapes a device may refuse by name (CUDA takes D, Dv <= 256): parity and probe must fail naming the op,

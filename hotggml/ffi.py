@@ -101,6 +101,9 @@ struct ggml_tensor * ggml_flash_attn_train_get_o(struct ggml_context * ctx, stru
 struct ggml_tensor * ggml_flash_attn_train_get_lse(struct ggml_context * ctx, struct ggml_tensor * fwd);
 void ggml_flash_attn_train_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
 enum ggml_prec ggml_flash_attn_train_get_prec(const struct ggml_tensor * a);
+void ggml_flash_attn_train_set_implicit_mask(struct ggml_tensor * a, bool causal, int32_t window);
+bool ggml_flash_attn_train_get_causal(const struct ggml_tensor * a);
+int32_t ggml_flash_attn_train_get_window(const struct ggml_tensor * a);
 struct ggml_tensor * ggml_flash_attn_train_back(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
                                                 struct ggml_tensor * v, struct ggml_tensor * mask,
                                                 struct ggml_tensor * fwd, struct ggml_tensor * d);

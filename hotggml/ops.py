@@ -57,11 +57,17 @@ def get_prec(t: Tensor) -> str:
     return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
 
 
+WINDOW_MAX = 2**31 - 1  # the window is an int32 op_param
+
+
 def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                     prec: str = "default") -> Tensor:
+                     prec: str = "default", causal: bool = False, window: int | None = None) -> Tensor:
     """Packed forward: O [Dv, Nh, S, B] at 0 and LSE [Nh, S, B] after it (views: get_o, get_lse).
 
     LSE_i = log sum_j exp(scale*q_i.k_j + mask_ij) (natural log). prec: 'default' or 'f32'.
+    Implicit masks (ggml.h, never stored), with i' = i + Skv - S: ``causal`` shows key j to query i
+    iff j <= i'; ``window`` (an int >= 0) iff |i' - j| <= window. They combine with each other and with
+    ``mask``: an entry is visible iff every one allows it. The autodiff backward inherits them.
     """
     g.own(q, k, v, *([mask] if mask is not None else []))
     check_attention_inputs(q, k, v, mask)
@@ -69,9 +75,26 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not np.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if not 0 <= window <= WINDOW_MAX:
+            raise ValueError(f"window must be in [0, {WINDOW_MAX}] (or None for no window), got {window}")
     t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
     _set_prec(t, prec)
+    if causal or window is not None:
+        g.lib.ggml_flash_attn_train_set_implicit_mask(t.ptr, bool(causal), -1 if window is None else int(window))
     return t
+
+
+def get_implicit_mask(t: Tensor) -> tuple[bool, int | None]:
+    """(causal, window or None) of a flash_attn_train(_back) node, as its op_params say."""
+    if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
+        raise ValueError(f"get_implicit_mask needs a flash_attn_train(_back) node, got a {t.op_name} node")
+    window = int(t.graph.lib.ggml_flash_attn_train_get_window(t.ptr))
+    return bool(t.graph.lib.ggml_flash_attn_train_get_causal(t.ptr)), (None if window < 0 else window)
 
 
 OP_FLASH_ATTN_TRAIN = 97       # enum ggml_op values the flash-attn-train patch appends

@@ -131,14 +131,14 @@ class FusedGraph:
 
 
 def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
-    """Fused forward + autodiff backward of L = sum(O*dO) (+ sum(LSE*dLSE)) at the case's shape
-    (with NaN in k and v at the masked keys of a ``garbage`` case)."""
+    """Fused forward + autodiff backward of L = sum(O*dO) (+ sum(LSE*dLSE)) at the case's shape, with
+    its stored mask and its implicit masks (with NaN in k and v at the masked keys of a ``garbage`` case)."""
     x = case.inputs(with_garbage=True)
-    mask = case.mask_array()
+    mask = case.stored_mask()
     q_leaf, q = _leaf_q(g, case, x["q"])
     k, v = g.param(x["k"], "k"), g.param(x["v"], "v")
     m = g.input(mask[:, None], "mask") if mask is not None else None
-    fwd = ops.flash_attn_train(g, q, k, v, m, case.scale, prec)
+    fwd = ops.flash_attn_train(g, q, k, v, m, case.scale, prec, causal=case.causal, window=case.window)
     o, lse = ops.get_o(fwd), ops.get_lse(fwd)
     terms = [(o, x["do"])] + ([(lse, x["dlse"])] if case.lse_loss else [])
     g.build([o, lse], g.dot_loss(terms))

@@ -32,7 +32,7 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> str:
         if case.has_mask():
             bm = case.B if (case.mask_per_batch or case.mask == "padding") else 1
             mask = g.new_tensor((case.Skv, case.S, 1, bm), np.float16)
-        fwd = ops.flash_attn_train(g, q, k, v, mask, case.scale, prec)
+        fwd = ops.flash_attn_train(g, q, k, v, mask, case.scale, prec, causal=case.causal, window=case.window)
         back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne))
         for node in (fwd, back):
             if not backend.supports_op(node):

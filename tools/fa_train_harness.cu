@@ -4,7 +4,7 @@
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I$W/include -I$W/src -I$W/src/ggml-cuda tools/fa_train_harness.cu \
 //        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness   (W = .hotggml/work/ggml)
-//   /tmp/fa_harness S Skv Nh Nkv D [causal]
+//   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal]
 //
 // The host functions of fattn-train.cu (dispatch, supports_op) reference ggml-cuda symbols this program
 // does not link; they are never called here. For kernel iteration only: claims come from hotggml bench.
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -53,7 +54,9 @@ static void launch_k(K kernel, dim3 grid, dim3 nt, size_t smem, const fa_train_p
 int main(int argc, char ** argv) {
     if (argc < 6) { printf("usage: %s S Skv Nh Nkv D [causal]\n", argv[0]); return 2; }
     const int S = atoi(argv[1]), Skv = atoi(argv[2]), Nh = atoi(argv[3]), Nkv = atoi(argv[4]), D = atoi(argv[5]);
-    const bool causal = argc > 6;
+    // argv[6]: "causal" a stored f16 causal mask for every kernel; "icausal" the implicit causal mask for the
+    // TF32 kernels (no mask in memory) against the f32 kernels on the stored one
+    const bool causal = argc > 6, implicit = causal && strcmp(argv[6], "icausal") == 0;
     std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) D*Skv*Nkv);
     for (auto & x : q) x = u(gen); for (auto & x : k) x = u(gen); for (auto & x : v) x = u(gen);
@@ -68,12 +71,16 @@ int main(int argc, char ** argv) {
     p.k_nb1 = D; p.k_nb2 = (int64_t) D*Skv; p.k_nb3 = (int64_t) D*Skv*Nkv;
     p.v_nb1 = D; p.v_nb2 = p.k_nb2; p.v_nb3 = p.k_nb3;
     if (causal) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
-    p.m_ne3 = 1;
+    p.m_ne3 = 1; p.window = -1;
     p.D = D; p.Dv = D; p.S = S; p.Skv = Skv; p.Nh = Nh; p.Nkv = Nkv; p.B = 1; p.gqa = Nh/Nkv; p.scale = 1.0f/sqrtf((float) D);
     p.vec_q = p.vec_k = p.vec_v = D % 4 == 0;
     const size_t nO = (size_t) D*Nh*S, nL = (size_t) Nh*S;
     CK(cudaMalloc(&p.O, nO*sizeof(float))); CK(cudaMalloc(&p.LSE, nL*sizeof(float)));
 
+    const half * stored = p.mask;
+    auto as_ref  = [&]() { p.mask = stored; p.causal = false; p.window = -1; };
+    auto as_test = [&]() { if (implicit) { p.mask = nullptr; p.causal = true; } };
+    as_ref();
     auto run_read = [&](auto launch, std::vector<float> & O, std::vector<float> & L) {
         CK(cudaMemset(p.O, 0xFF, nO*sizeof(float))); CK(cudaMemset(p.LSE, 0xFF, nL*sizeof(float)));
         launch(); CK(cudaDeviceSynchronize());
@@ -86,12 +93,17 @@ int main(int argc, char ** argv) {
     auto v2 = [&]() { fa_train_fwd_tf32_reg_launch(fa_reg_get_shape(D, D), p, 0); CK(cudaGetLastError()); };
 
     std::vector<float> Or, Lr, O1, L1, O2, L2;
-    run_read(f32, Or, Lr); run_read(v1, O1, L1);
+    run_read(f32, Or, Lr);
+    as_test();
+    run_read(v1, O1, L1);
     const bool have_v2 = fa_reg_get_shape(D, D).D != 0;
     if (have_v2) run_read(v2, O2, L2);
     const double flops = 2.0*(2.0*D)*Nh*(causal ? (double) S*Skv - (double) S*(S - 1)/2 : (double) S*Skv);
-    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, causal ? "causal" : "none");
-    const float tf = time_ms(f32), t1 = time_ms(v1);
+    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
+    as_ref();
+    const float tf = time_ms(f32);
+    as_test();
+    const float t1 = time_ms(v1);
     printf("  f32      %8.3f ms  %6.1f TFLOP/s\n", tf, flops/tf/1e9);
     printf("  tf32 v1  %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e\n", t1, flops/t1/1e9, worst_rel(O1, Or), worst_rel(L1, Lr));
     if (have_v2) {
@@ -102,6 +114,7 @@ int main(int argc, char ** argv) {
     // backward: O and LSE of the f32 forward, random dO, D_i; each path's dQ, dK, dV against the f32 kernels'
     std::vector<float> dO(nO);
     for (auto & x : dO) x = u(gen);
+    as_ref();
     p.dO = dev_upload(dO);
     CK(cudaMemcpy(p.O, Or.data(), nO*sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(p.LSE, Lr.data(), nL*sizeof(float), cudaMemcpyHostToDevice));
@@ -125,10 +138,13 @@ int main(int argc, char ** argv) {
     auto dq_reg  = [&]() { fa_train_bwd_dq_tf32_reg_launch(rs, p, 0); };
     auto dkv_reg = [&]() { fa_train_bwd_dkv_tf32_reg_launch(rs, p, 0); };
     std::vector<float> gr[3], g1[3], g2[3];
+    as_ref();
     grads(dq_f32, dkv_f32, gr);
+    const float tdq_f = time_ms(dq_f32), tkv_f = time_ms(dkv_f32);
+    as_test();
     grads(dq_v1, dkv_v1, g1);
     const double bflops = 2.5*flops;
-    const float tdq_f = time_ms(dq_f32), tkv_f = time_ms(dkv_f32), tdq1 = time_ms(dq_v1), tkv1 = time_ms(dkv_v1);
+    const float tdq1 = time_ms(dq_v1), tkv1 = time_ms(dkv_v1);
     printf("bwd\n  f32      dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s\n", tdq_f, tkv_f, bflops/(tdq_f + tkv_f)/1e9);
     printf("  tf32 v1  dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e\n", tdq1, tkv1, bflops/(tdq1 + tkv1)/1e9,
            worst_rel(g1[0], gr[0]), worst_rel(g1[1], gr[1]), worst_rel(g1[2], gr[2]));
