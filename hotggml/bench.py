@@ -45,11 +45,18 @@ def arena_bytes(case: Case, device: str = "CPU") -> tuple[int, int]:
     return fused, chain
 
 
-def memory_table(base: Case = DIT_FULL, seq_lens=MEMORY_S, device: str = "CPU") -> list[MemoryRow]:
-    """Arena bytes, fused vs exact chain, at base's geometry for each S (= Skv)."""
+def memory_table(base: Case = DIT_FULL, seq_lens=MEMORY_S, device: str = "CPU", with_chain: bool = True) -> list[MemoryRow]:
+    """Arena bytes, fused vs exact chain (0 without it), at base's geometry for each S: Skv = S plus the
+    context base holds before its queries (Skv - S, 0 for self-attention: the chunk keeps its tail)."""
     rows = []
     for s in seq_lens:
-        fused, chain = arena_bytes(replace(base, name=f"{base.name}-{s}", S=s, Skv=s), device)
+        case = replace(base, name=f"{base.name}-{s}", S=s, Skv=s + base.Skv - base.S)
+        if with_chain:
+            fused, chain = arena_bytes(case, device)
+        else:
+            with Backend(device) as be, Graph(be) as g:
+                build_fused(g, case)
+                fused, chain = g.arena_bytes(), 0
         rows.append(MemoryRow(s, fused, chain))
     return rows
 
@@ -58,8 +65,12 @@ def format_memory(rows: list[MemoryRow]) -> str:
     first = rows[0]
     lines = [f"{'S':>6} {'fused MiB':>10} {'chain MiB':>10} {'fused/chain':>11} {'fused growth':>12} {'chain growth':>12}"]
     for r in rows:
-        lines.append(f"{r.S:>6} {r.fused_bytes / 2**20:>10.1f} {r.chain_bytes / 2**20:>10.1f} {r.ratio:>11.3f} "
-                     f"{r.fused_bytes / first.fused_bytes:>11.2f}x {r.chain_bytes / first.chain_bytes:>11.2f}x")
+        if r.chain_bytes:
+            lines.append(f"{r.S:>6} {r.fused_bytes / 2**20:>10.1f} {r.chain_bytes / 2**20:>10.1f} {r.ratio:>11.3f} "
+                         f"{r.fused_bytes / first.fused_bytes:>11.2f}x {r.chain_bytes / first.chain_bytes:>11.2f}x")
+        else:
+            lines.append(f"{r.S:>6} {r.fused_bytes / 2**20:>10.1f} {'-':>10} {'-':>11} "
+                         f"{r.fused_bytes / first.fused_bytes:>11.2f}x {'-':>12}")
     return "\n".join(lines)
 
 

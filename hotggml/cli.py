@@ -278,18 +278,29 @@ def _run_parity(args: argparse.Namespace) -> int:
 
 
 def add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add `memory [--backend NAME] [--seq 625,1250,3000]`."""
+    """Add `memory [--backend NAME] [--case ID] [--seq 625,1250,3000] [--no-chain]`."""
     parser = subparsers.add_parser("memory", help="allocator arena bytes, fused vs exact chain (reserve only)")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--seq", type=_threads, default=None, help="sequence lengths S (= Skv)")
+    parser.add_argument("--case", default=None, help="a geometry from the field set (default: DiT full attention); "
+                                                     "S varies, Skv keeps the case's context Skv - S")
+    parser.add_argument("--seq", type=_threads, default=None, help="query lengths S")
+    parser.add_argument("--no-chain", action="store_true", help="fused arena only")
     parser.set_defaults(func=_run_memory)
 
 
 def _run_memory(args: argparse.Namespace) -> int:
-    from hotggml import bench
+    from hotggml import bench, cases
 
-    rows = bench.memory_table(seq_lens=tuple(args.seq or bench.MEMORY_S), device=resolve_device(args.backend))
-    print(f"fwd+bwd graph arena at DiT full attention (Nh16 Nkv8 D128, no mask), {args.backend}:")
+    base = bench.DIT_FULL
+    if args.case:
+        found = [c for c in cases.FIELD + cases.REAL + cases.SMOKE if c.id == args.case]
+        if not found:
+            print(f"hotggml: error: unknown case {args.case!r}", file=sys.stderr)
+            return 2
+        base = found[0]
+    rows = bench.memory_table(base, tuple(args.seq or bench.MEMORY_S), resolve_device(args.backend),
+                              with_chain=not args.no_chain)
+    print(f"fwd+bwd graph arena at {base.id} geometry ({base.shape}; S varies), {args.backend}:")
     print(bench.format_memory(rows))
     return 0
 

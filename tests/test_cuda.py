@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hotggml import cases, parity
+from hotggml.cases import Case
 from hotggml.errors import BackendError
 from hotggml.graph import Backend, devices
 
@@ -79,3 +80,47 @@ def test_split_backward_on_cpu(cuda_device, case_id, prec):
     # the forward's path sets the bar: a TF32 O and LSE feed the CPU's f32 backward
     bar = parity.BARS["f32" if prec == "f32" else "tf32"]
     assert max(errs.values()) <= bar, errs
+
+
+# -- supports_op across the field's shape matrix (issue 6 item 5) ------------------------------------
+
+MATRIX = [Case(f"matrix-d{D}-gqa{G}-{mask}", Nh=4, Nkv=4 // G, D=D, S=37, Skv=53,
+               mask="bias" if mask == "2d" else "none", causal=mask == "causal")
+          for D in (16, 64, 80, 128, 256) for G in (1, 4) for mask in ("none", "2d", "causal")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", MATRIX, ids=lambda c: c.id)
+def test_supports_op_matrix(cuda_device, cpu_fused_cache, case):
+    """Every shape CUDA claims runs there, passes parity against float64 and matches the CPU's fused op
+    at the TF32 bar; a shape it declines is refused by name (never run on the CPU in its place)."""
+    from hotggml.errors import UnsupportedOpError
+    from hotggml.probe import probe
+
+    with Backend(cuda_device) as be:
+        try:
+            path = probe(case, be)
+        except UnsupportedOpError as exc:
+            assert f"FLASH_ATTN_TRAIN at {case.id}" in str(exc) or f"FLASH_ATTN_TRAIN_BACK at {case.id}" in str(exc)
+            return
+        fused = parity.run_fused(case, be, "default")
+    assert path == "tf32"
+    result = parity.run_case(case, cuda_device, prec="default", with_chain=False)
+    assert result.passed, "; ".join(result.failures)
+    cpu = cpu_fused_cache(case)
+    live = ~parity.oracle.masked_rows(case.mask_array(), case.B, case.S)
+    errs = parity._compare(fused, cpu, live)
+    assert max(errs.values()) <= parity.BARS["tf32"], errs
+
+
+@pytest.fixture(scope="module")
+def cpu_fused_cache(lib):
+    """The CPU's fused results per case (the reference the matrix compares CUDA against)."""
+    done = {}
+
+    def get(case):
+        if case.id not in done:
+            with Backend("CPU") as be:
+                done[case.id] = parity.run_fused(case, be, "f32")
+        return done[case.id]
+    return get
