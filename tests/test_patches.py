@@ -191,3 +191,25 @@ def test_series_hash_changes_with_any_byte(series_dir):
 def test_cli_reports_errors_with_exit_code_2(capsys):
     assert cli.main(["patches", "export", "--dry-run"]) == 2  # no work tree in the isolated state dir
     assert capsys.readouterr().err.startswith("hotggml: error: ")
+
+
+def test_autocrlf_clone_keeps_patches_and_scripts_lf(pristine, tmp_path):
+    """.gitattributes: a clone made with core.autocrlf=true checks out every patch and script with LF,
+    and its series passes `patches check` (a CR in a patch would change its bytes and its hash)."""
+    import git
+
+    if not (paths.REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    clone = git.Repo.clone_from(str(paths.REPO_ROOT), str(tmp_path / "clone"), no_checkout=True)
+    clone.git.config("core.autocrlf", "true")  # what `git clone -c core.autocrlf=true` sets, before checkout
+    clone.git.reset("--hard", "HEAD")
+    assert clone.git.config("core.autocrlf") == "true"
+    root = Path(clone.working_tree_dir)
+    scripts = [*root.glob("ci/*.sh"), root / ".ci" / "run", *root.glob("tools/*.sh"), *root.glob("hotggml/*.py")]
+    checked = [*sorted((root / "patches").iterdir()), *scripts]
+    assert len(checked) > 10
+    for path in checked:
+        assert b"\r" not in path.read_bytes(), f"{path.relative_to(root)} came out with CRLF"
+    # the patches are the committed bytes, so the series hash (what builds are keyed by) is unchanged
+    assert patches.series_hash(root / "patches") == patches.series_hash(paths.PATCHES_DIR)
+    patches.check(patches_dir=root / "patches", pin_dir=pristine)
