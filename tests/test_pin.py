@@ -33,6 +33,16 @@ def pristine(tmp_path_factory) -> Path:
     return dest
 
 
+@pytest.fixture(scope="session")
+def sdist(pristine) -> Path:
+    """The sdist the session pin came from: the local copy, or the one pip cached in the repository's
+    .hotggml/cache (looked up there, not under a test's isolated state folder, where it never is)."""
+    for candidate in (LOCAL_SDIST, paths.REPO_ROOT / ".hotggml" / "cache" / pin.SDIST_FILE):
+        if candidate.is_file():
+            return candidate
+    raise AssertionError("the session pin was materialized, yet no sdist is where fetch caches it")
+
+
 @pytest.fixture(autouse=True)
 def isolated_state(tmp_path, monkeypatch):
     """Keep each test's locks and work trees out of the repository's .hotggml."""
@@ -64,10 +74,7 @@ def test_fetch_over_verified_pin_does_nothing_offline(pristine):
     assert (result.changed, result.source, result.commit) == (False, "existing", pin.SDIST_PIN_COMMIT)
 
 
-def test_fetch_from_env_tarball_into_placeholder(pristine, tmp_path, monkeypatch):
-    sdist = _sdist()
-    if sdist is None:
-        pytest.skip("no local sdist (the session pin came from pip)")
+def test_fetch_from_env_tarball_into_placeholder(sdist, tmp_path, monkeypatch):
     dest = tmp_path / "vendor" / "ggml"
     dest.mkdir(parents=True)  # an uninitialized submodule is an empty folder
     monkeypatch.setenv(pin.SDIST_ENV, str(sdist))
@@ -87,15 +94,12 @@ def test_tampered_tree_is_refused_naming_the_tree(pristine, tmp_path, path, tree
         pin.verify(copy)
 
 
-def test_tampered_tree_is_replaced_only_with_force(pristine, tmp_path):
+def test_tampered_tree_is_replaced_only_with_force(pristine, sdist, tmp_path):
     copy = clone(pristine, tmp_path / "ggml")
     (copy / "src" / "ggml.c").write_text("tampered\n")
     commit_all(copy)
     with pytest.raises(PinError, match="'src'.*--force"):
         pin.fetch(dest=copy, use_pip=False)
-    sdist = _sdist()
-    if sdist is None:
-        pytest.skip("no local sdist to replace it from")
     result = pin.fetch(sdist, dest=copy, use_pip=False, force=True)
     assert result.changed and pin.verify(copy) == pin.SDIST_PIN_COMMIT
 
@@ -137,10 +141,7 @@ def test_wrong_checksum_is_refused(tmp_path):
         pin.fetch(fake, dest=tmp_path / "ggml", use_pip=False)
 
 
-def test_interrupted_fetch_leaves_previous_state(tmp_path, monkeypatch):
-    sdist = _sdist()
-    if sdist is None:
-        pytest.skip("no local sdist")
+def test_interrupted_fetch_leaves_previous_state(sdist, tmp_path, monkeypatch):
     dest = tmp_path / "ggml"
     dest.mkdir()
 
