@@ -13,7 +13,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +83,78 @@ def _generator() -> list[str]:
     return ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
-def _run(cmd: list[str], log: Path) -> None:
+_PGID_FILE = ".build-pgid"  # in a build folder while its CMake runs: the process group to end if we die
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group pgid, from /proc (Linux); [] elsewhere."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ... after "(comm)"
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _works_in(pid: int, bdir: Path) -> bool:
+    """Whether process pid is a build of bdir (its command line or working folder names it)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return str(bdir) in cmdline or cwd == str(bdir) or cwd.startswith(str(bdir) + os.sep)
+
+
+def _end_stale_group(bdir: Path) -> None:
+    """End the process group a killed build left running in bdir (cmake, ninja, compilers still writing
+    into the folder), and wait until it is gone. Called with the folder's lock held. A recorded group
+    none of whose processes works in bdir is someone else's (process ids are reused): left alone."""
+    record = bdir / _PGID_FILE
+    if not record.is_file():
+        return
+    try:
+        pgid = int(record.read_text().split()[0])
+    except (ValueError, IndexError):
+        pgid = 0
+    members = _group_members(pgid) if pgid > 1 and pgid != os.getpgid(0) else []
+    if any(_works_in(pid, bdir) for pid in members):
+        print(f"hotggml: ending the processes of an interrupted build in {bdir} (group {pgid})",
+              file=sys.stderr, flush=True)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30
+        while _group_members(pgid):
+            if time.monotonic() > deadline:
+                raise BuildError(f"processes of an interrupted build (group {pgid}) in {bdir} did not end")
+            time.sleep(0.05)
+    record.unlink(missing_ok=True)
+
+
+def _run(cmd: list[str], log: Path, bdir: Path | None = None) -> None:
+    """Run cmd in its own process group, output to log; with bdir, the group is recorded there while it
+    runs (a later build ends it if we are killed) and ended if we are interrupted."""
     with open(log, "a") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        if bdir is not None:
+            (bdir / _PGID_FILE).write_text(f"{proc.pid}\n")
+        try:
+            proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)  # Ctrl-C: its own session does not get the terminal's SIGINT
+            proc.wait()
+            raise
+        finally:
+            if bdir is not None and proc.returncode is not None:
+                (bdir / _PGID_FILE).unlink(missing_ok=True)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); last lines of {log}:\n" + "\n".join(tail))
@@ -111,11 +181,18 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     # the binding loads the plain build of a backend; builds with extra options (e.g. GGML_RPC=ON
     # in the CI gate) are checked for building, not pointed at
     point = not extra_defines
-    if _is_complete(bdir):
+    with paths.lock(bdir, f"the build in {bdir}"):  # a second build waits, then finds this one complete
+        _end_stale_group(bdir)
+        if not _is_complete(bdir):
+            _cmake(bdir, prep, defines, jobs)
+            info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=True)
         if point:
             _set_current(info)
-        return info
+    return info
 
+
+def _cmake(bdir: Path, prep, defines: dict[str, str], jobs: int | None) -> None:
+    """Configure and build into bdir; `.complete` is written only after both succeed."""
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / ".complete").unlink(missing_ok=True)
     log = bdir / "build.log"
@@ -123,14 +200,10 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
                  f"-DHOTGGML_GGML_SOURCE_DIR={prep.source_dir}",
                  f"-DHOTGGML_PIN={prep.pin}", f"-DHOTGGML_SERIES_HASH={prep.series_hash}",
                  *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
-    _run(configure, log)
-    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log)
+    _run(configure, log, bdir)
+    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir)
     (bdir / ".complete").write_text(json.dumps({"pin": prep.pin, "series_hash": prep.series_hash,
                                                  "defines": defines}, indent=1) + "\n")
-    info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=True)
-    if point:
-        _set_current(info)
-    return info
 
 
 @dataclass(frozen=True)
@@ -161,14 +234,16 @@ def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | 
     defines["GGML_BUILD_TESTS"] = "ON"
     bdir = paths.build_root() / f"stock-{backend}-{build_key(pin.UPSTREAM_COMMIT, 'stock', defines)}"
     result = TestBuild("stock", bdir, bdir / "bin" / "test-backend-ops")
-    if (bdir / ".complete").is_file():
-        return result
-    bdir.mkdir(parents=True, exist_ok=True)
-    log = bdir / "build.log"
-    _run(["cmake", "-S", str(paths.VENDOR_DIR), "-B", str(bdir), *_generator(),
-          *[f"-D{k}={v}" for k, v in sorted(defines.items())]], log)
-    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log)
-    (bdir / ".complete").write_text(json.dumps({"pin": pin.UPSTREAM_COMMIT, "defines": defines}, indent=1) + "\n")
+    with paths.lock(bdir, f"the build in {bdir}"):
+        _end_stale_group(bdir)
+        if (bdir / ".complete").is_file():
+            return result
+        bdir.mkdir(parents=True, exist_ok=True)
+        log = bdir / "build.log"
+        _run(["cmake", "-S", str(paths.VENDOR_DIR), "-B", str(bdir), *_generator(),
+              *[f"-D{k}={v}" for k, v in sorted(defines.items())]], log, bdir)
+        _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir)
+        (bdir / ".complete").write_text(json.dumps({"pin": pin.UPSTREAM_COMMIT, "defines": defines}, indent=1) + "\n")
     return result
 
 

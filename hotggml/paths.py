@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,18 +56,29 @@ def __getattr__(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def lock(target: Path) -> Iterator[None]:
+def lock(target: Path, what: str | None = None) -> Iterator[None]:
     """Hold an exclusive lock on `target` (a tree we are about to replace) while the block runs.
 
     The lock file lives under the state folder, keyed by the target's absolute path,
     so that locking never leaves files next to the target (vendor/ is in the superproject).
-    Blocks until a concurrent holder (another fetch/apply) is done.
+    It names its holder (pid and command line): a second process says who it waits for on
+    stderr, then blocks until the holder is done (or dead: the kernel drops a dead holder's lock).
     """
     key = hashlib.sha1(str(Path(target).resolve()).encode()).hexdigest()[:16]
     lock_dir = state_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{key}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(lock_dir / f"{key}.lock", "a+") as handle:  # a+: never truncate the holder's line unlocked
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another hotggml process"
+            print(f"hotggml: waiting for {what or target}: held by {holder}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} ({' '.join(sys.argv)[:200]})\n")
+        handle.flush()
         try:
             yield
         finally:

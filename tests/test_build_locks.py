@@ -1,0 +1,114 @@
+"""Builds under concurrency and kill -9 (issue: builds survive interruption and concurrency).
+
+A fake `cmake` on PATH stands in for CMake, so that these run in seconds: its `--build` step starts a
+child working in the build folder (as ninja and the compilers do) and sleeps, then writes what a
+finished build leaves. The preparation (fetch + apply) is replaced by a fixed tree, pin and series.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hotggml import build, paths
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups read from /proc")
+
+FAKE_CMAKE = """#!/usr/bin/env bash
+if [ "$1" = "--build" ]; then
+    dir=$2
+    (cd "$dir" && exec sleep "$FAKE_BUILD_SECONDS") &
+    sleep "$FAKE_BUILD_SECONDS"
+    wait
+    mkdir -p "$dir/lib" && echo '{}' > "$dir/lib/hotggml-build.json"
+fi
+"""
+
+DRIVER = """
+import sys
+from pathlib import Path
+from hotggml import build, prepare
+prepare.prepare = lambda: prepare.Prepared(Path(sys.argv[1]), "a" * 40, "b" * 64)
+info = build.build("cpu")
+print("built" if info.rebuilt else "reused", info.build_dir, flush=True)
+"""
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(FAKE_CMAKE)
+    (bin_dir / "cmake").chmod(0o755)
+    monkeypatch.setenv(paths.STATE_ENV, str(tmp_path / "state"))
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", paths.STATE_ENV: str(tmp_path / "state"),
+            "PYTHONPATH": str(paths.REPO_ROOT), "FAKE_BUILD_SECONDS": "2"}
+
+
+def _driver(env, tmp_path, seconds: str = "2") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], env={**env, "FAKE_BUILD_SECONDS": seconds},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _bdir() -> Path:
+    return build.build_dir_for("cpu", "a" * 40, "b" * 64, build.cmake_defines("cpu"))
+
+
+def test_two_builds_at_once_one_builds_the_other_waits(env, tmp_path):
+    first = _driver(env, tmp_path)
+    time.sleep(0.5)
+    second = _driver(env, tmp_path)
+    out1, err1 = first.communicate(timeout=60)
+    out2, err2 = second.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, err1 + err2
+    assert out1.split()[0] == "built" and out2.split()[0] == "reused", (out1, out2)
+    assert "waiting for the build in" in err2 and f"pid {first.pid}" in err2
+    assert (_bdir() / ".complete").is_file() and not (_bdir() / build._PGID_FILE).exists()
+
+
+def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
+    victim = _driver(env, tmp_path, seconds="60")
+    record = _bdir() / build._PGID_FILE
+    deadline = time.monotonic() + 30
+    pgid = None
+    while time.monotonic() < deadline:  # wait for the --build step (configure writes the record first)
+        if record.is_file():
+            pgid = int(record.read_text())
+            if any("--build" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in build._group_members(pgid)):
+                break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the fake build never started")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert build._group_members(pgid), "the orphans this test is about are not there"
+    assert not (_bdir() / ".complete").exists()  # a killed build is not a finished one
+
+    again = _driver(env, tmp_path, seconds="1")
+    out, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    assert "ending the processes of an interrupted build" in err
+    assert out.split()[0] == "built"
+    assert build._group_members(pgid) == []  # no leftover process of the killed build
+    assert (_bdir() / ".complete").is_file()
+
+
+def test_a_recorded_group_that_is_not_a_build_is_left_alone(env, tmp_path):
+    """Process ids are reused: a record naming a group whose processes do not work in the build folder
+    (here: this test's own sleeper) must not be killed."""
+    bdir = _bdir()
+    bdir.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        (bdir / build._PGID_FILE).write_text(f"{sleeper.pid}\n")
+        build._end_stale_group(bdir)
+        assert sleeper.poll() is None and not (bdir / build._PGID_FILE).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
