@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -137,16 +138,39 @@ def _end_stale_group(bdir: Path) -> None:
     record.unlink(missing_ok=True)
 
 
-def _run(cmd: list[str], log: Path, bdir: Path | None = None) -> None:
-    """Run cmd in its own process group, output to log; with bdir, the group is recorded there while it
-    runs (a later build ends it if we are killed) and ended if we are interrupted."""
+_NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")   # ninja: [n/m] ...
+_MAKE_STEP = re.compile(r"^\[\s*(\d+)%\]")        # make: [ 45%] ...
+
+
+def _progress(line: str) -> str | None:
+    """'n/m' or 'p%' when line is a generator's progress line, else None."""
+    if m := _NINJA_STEP.match(line):
+        return f"{m.group(1)}/{m.group(2)}"
+    if m := _MAKE_STEP.match(line):
+        return f"{m.group(1)}%"
+    return None
+
+
+def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmake") -> None:
+    """Run cmd in its own process group, its output into log, its progress (every 2 s, and the last
+    step) on stderr. With bdir, the group is recorded there while it runs (a later build ends it if we
+    are killed), and it is ended if we are interrupted."""
+    print(f"hotggml: {stage} ...", file=sys.stderr, flush=True)
     with open(log, "a") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                text=True, errors="replace")
         if bdir is not None:
             (bdir / _PGID_FILE).write_text(f"{proc.pid}\n")
         try:
+            last = 0.0
+            for line in proc.stdout:
+                fh.write(line)
+                step = _progress(line)
+                if step and (time.monotonic() - last > 2.0 or step.split("/")[0] == step.split("/")[-1]):
+                    print(f"hotggml: {stage} {step}", file=sys.stderr, flush=True)
+                    last = time.monotonic()
             proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)  # Ctrl-C: its own session does not get the terminal's SIGINT
@@ -200,8 +224,8 @@ def _cmake(bdir: Path, prep, defines: dict[str, str], jobs: int | None) -> None:
                  f"-DHOTGGML_GGML_SOURCE_DIR={prep.source_dir}",
                  f"-DHOTGGML_PIN={prep.pin}", f"-DHOTGGML_SERIES_HASH={prep.series_hash}",
                  *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
-    _run(configure, log, bdir)
-    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir)
+    _run(configure, log, bdir, "configure")
+    _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir, "compile and link")
     (bdir / ".complete").write_text(json.dumps({"pin": prep.pin, "series_hash": prep.series_hash,
                                                  "defines": defines}, indent=1) + "\n")
 
@@ -241,8 +265,8 @@ def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | 
         bdir.mkdir(parents=True, exist_ok=True)
         log = bdir / "build.log"
         _run(["cmake", "-S", str(paths.VENDOR_DIR), "-B", str(bdir), *_generator(),
-              *[f"-D{k}={v}" for k, v in sorted(defines.items())]], log, bdir)
-        _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir)
+              *[f"-D{k}={v}" for k, v in sorted(defines.items())]], log, bdir, "configure (stock)")
+        _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir, "compile and link (stock)")
         (bdir / ".complete").write_text(json.dumps({"pin": pin.UPSTREAM_COMMIT, "defines": defines}, indent=1) + "\n")
     return result
 

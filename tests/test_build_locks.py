@@ -112,3 +112,21 @@ def test_a_recorded_group_that_is_not_a_build_is_left_alone(env, tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_progress_lines_are_recognised():
+    assert build._progress("[12/345] Building C object ggml/src/ggml.c.o") == "12/345"
+    assert build._progress("[ 45%] Building CXX object foo.o") == "45%"
+    assert build._progress("-- Configuring done") is None
+
+
+def test_build_prints_its_progress(env, tmp_path):
+    """The steps of the build reach stderr (the fake generator prints ninja-style [n/m] lines)."""
+    fake = Path(env["PATH"].split(":")[0]) / "cmake"
+    fake.write_text(FAKE_CMAKE.replace('    sleep "$FAKE_BUILD_SECONDS"\n',
+                                       '    for i in 1 2 3; do echo "[$i/3] Building C object x$i.o"; done\n'))
+    run = _driver(env, tmp_path, seconds="0")
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 0, err
+    assert "hotggml: configure ..." in err and "hotggml: compile and link 3/3" in err
+    assert "[1/3] Building C object x1.o" in (_bdir() / "build.log").read_text()
