@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# `pip install .` through scikit-build-core: the wheel must carry the patched libraries in
-# hotggml/lib, and the installed package (run from outside the checkout) must load them,
-# pass its stamp check and pass a smoke parity case.
+# `pip install .` through scikit-build-core, from a fresh clone of this checkout's HEAD (an empty
+# .hotggml: the build itself fetches the pinned sdist through pip, as on a user's machine, never from
+# the cache an earlier step filled): the wheel must carry the patched libraries in hotggml/lib, and
+# the installed package, run from /, must load them, pass its stamp check and a smoke parity case.
 source "$(dirname "$0")/env.sh"
-out=.hotggml/wheel
+out=$PWD/.hotggml/wheel
 rm -rf "$out" && mkdir -p "$out"
-python -m pip wheel . --no-deps --quiet --disable-pip-version-check -w "$out/dist"
+git clone --quiet . "$out/src"
+python -m pip wheel "$out/src" --no-deps --quiet --disable-pip-version-check -w "$out/dist"
 python -m venv "$out/venv"
 "$out/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$out"/dist/hotggml-*.whl
-cd "$out" && env -u PYTHONPATH venv/bin/python - <<'PY'
+cd / && env -u PYTHONPATH "$out/venv/bin/python" - <<'PY'
 import hotggml, hotggml.ffi as ffi
 from hotggml import cases, parity
 lib_dir = ffi.find_lib_dir()
