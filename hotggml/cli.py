@@ -96,6 +96,9 @@ def add_patches_parser(subparsers: argparse._SubParsersAction) -> None:
                        ).set_defaults(func=_run_check)
     export = actions.add_parser("export", help="write the work tree's commits back to patches/")
     export.add_argument("--dry-run", action="store_true", help="list files that would change; exit 1 if any")
+    export.add_argument("--upstream", metavar="DIR", default=None,
+                        help="instead: write the `Upstream-Status: submit` patches to DIR for ggml upstream, "
+                             "one mail-ready file each, without the project's trailers")
     export.set_defaults(func=_run_export)
 
 
@@ -138,6 +141,13 @@ def _run_check(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from hotggml import patches
 
+    if args.upstream:
+        if args.dry_run:
+            print("hotggml: error: --upstream and --dry-run do not go together", file=sys.stderr)
+            return 2
+        for path in patches.export_upstream(args.upstream):
+            print(f"wrote {path}")
+        return 0
     changed = patches.export(dry_run=args.dry_run)
     verb = "would change" if args.dry_run else "updated"
     for path in changed:

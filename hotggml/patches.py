@@ -4,6 +4,7 @@ patches/series names the patches in order (one file a line, `#` comments allowed
 Each patch is `git format-patch` output whose commit message carries trailers:
 
     Patch-Name: <name>            equal to the file's stem
+    Upstream-Status: submit       where the patch is bound: `submit` (ggml upstream) or `fork-only`
     Marker: <path>: <string>      <string> must be in <path> once this patch is applied
 
 The patched work tree (WORK_DIR/ggml by default) is a clone of the pin with one
@@ -39,7 +40,8 @@ CONFIG_PIN = "hotggml.pin"
 CONFIG_HEAD = "hotggml.head"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_TRAILER_RE = re.compile(r"^(Patch-Name|Marker):[ \t]*(.*?)\s*$")
+_TRAILER_RE = re.compile(r"^(Patch-Name|Marker|Upstream-Status):[ \t]*(.*?)\s*$")
+UPSTREAM_STATUSES = ("submit", "fork-only")
 # How `git am` names the file a hunk failed on (LC_ALL=C messages).
 _FAILED_RES = (re.compile(r"^error: patch failed: (.+):\d+$"),
                re.compile(r"^error: (.+): (?:patch does not apply|does not exist in index|already exists "
@@ -68,6 +70,7 @@ class Patch:
     subject: str
     markers: tuple[Marker, ...]
     sha256: str
+    upstream: str = "submit"  # Upstream-Status: submit or fork-only
 
 
 @dataclass(frozen=True)
@@ -155,11 +158,11 @@ def parse_patch(path: Path | str) -> Patch:
     if not text.startswith("From "):
         raise PatchError(f"{path} is not `git format-patch` output: re-export it with `hotggml patches export`")
     subject, body = _split_message(text)
-    name, markers = _trailers(body, path.name)
+    name, markers, upstream = _trailers(body, path.name)
     if name != path.stem:
         raise PatchError(f"{path}: Patch-Name is {name!r} but the file is {path.name}: "
                          f"they must match (rename the file or fix the trailer)")
-    return Patch(name, path, subject, markers, hashlib.sha256(data).hexdigest())
+    return Patch(name, path, subject, markers, hashlib.sha256(data).hexdigest(), upstream)
 
 
 def _split_message(text: str) -> tuple[str, list[str]]:
@@ -181,8 +184,8 @@ def _split_message(text: str) -> tuple[str, list[str]]:
     return " ".join(subject), body
 
 
-def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...]]:
-    name, markers = None, []
+def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...], str]:
+    name, markers, upstream = None, [], None
     for line in body:
         match = _TRAILER_RE.match(line)
         if not match:
@@ -192,6 +195,10 @@ def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...]]:
             if name is not None:
                 raise PatchError(f"{where} has two Patch-Name trailers: keep one")
             name = value
+        elif key == "Upstream-Status":
+            if upstream is not None:
+                raise PatchError(f"{where} has two Upstream-Status trailers: keep one")
+            upstream = value
         else:
             markers.append(_parse_marker(value, where))
     if not name:
@@ -201,7 +208,10 @@ def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...]]:
     if not markers:
         raise PatchError(f"{where} declares no `Marker: <path>: <string>` trailer: add at least one "
                          f"string the patch puts in the tree, so CI can tell it is applied")
-    return name, tuple(markers)
+    if upstream not in UPSTREAM_STATUSES:
+        raise PatchError(f"{where}: `Upstream-Status: {upstream or ''}` must say where the patch is bound: "
+                         f"one of {', '.join(UPSTREAM_STATUSES)}")
+    return name, tuple(markers), upstream
 
 
 def _parse_marker(value: str, where: str) -> Marker:
@@ -435,7 +445,7 @@ def _series_commits(repo: git.Repo, strict: bool = True) -> list[tuple[str, str]
         if len(gitutil.parents(repo, sha)) != 1:
             raise PatchError(f"{where} is a merge: the series must be linear; rebase it")
         try:
-            name, _ = _trailers(gitutil.commit_message(repo, sha).split("\n"), where)
+            name, _, _ = _trailers(gitutil.commit_message(repo, sha).split("\n"), where)
         except PatchError:
             if strict:
                 raise
@@ -590,3 +600,33 @@ def _record_export(repo: git.Repo, out_dir: Path) -> None:
     # `apply` says "already applied" instead of rebuilding over the maintainer's commits.
     head = gitutil.rev_parse(repo, "HEAD")
     gitutil.config_set(repo, {CONFIG_SERIES: series_hash(out_dir), CONFIG_HEAD: head})
+
+
+def export_upstream(out_dir: Path | str, patches_dir: Path | str | None = None) -> list[Path]:
+    """Write the `Upstream-Status: submit` patches as mail-ready files for ggml upstream, in series order
+    (``0001-<name>.patch`` ...), without the project's trailers (Patch-Name, Marker, Upstream-Status):
+    `git am` takes them onto the pristine pin. Returns the files written; out_dir must be empty or absent.
+
+    Raises PatchError (the series' own errors, or a non-empty out_dir).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise PatchError(f"{out_dir} is not empty: give an empty or new folder for the upstream patches")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for patch in (p for p in load_series(patches_dir) if p.upstream == "submit"):
+        path = out_dir / f"{len(written) + 1:04d}-{patch.name}{SUFFIX}"
+        path.write_bytes(strip_trailers(patch.path.read_text(encoding="utf-8")).encode("utf-8"))
+        written.append(path)
+    return written
+
+
+def strip_trailers(text: str) -> str:
+    """A format-patch text without the project's trailer lines in its message (the diff is untouched),
+    and without the blank lines they leave at the message's end."""
+    lines = text.split("\n")
+    diff = next((i for i, line in enumerate(lines) if line == "---" or line.startswith("diff --git ")), len(lines))
+    message = [line for line in lines[:diff] if not _TRAILER_RE.match(line)]
+    while len(message) > 1 and message[-1] == "" and message[-2] == "":
+        message.pop()
+    return "\n".join(message + lines[diff:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_apply_keeps_unexported_and_uncommitted_work(applied, pristine, series_d
     alloc.write_text(alloc.read_text() + "// wip\n")
     with pytest.raises(PatchError, match="uncommitted changes.*src/ggml-alloc.c"):
         patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
-    message = "more\n\nPatch-Name: wip\nMarker: src/ggml-alloc.c: // wip\n"
+    message = "more\n\nPatch-Name: wip\nUpstream-Status: fork-only\nMarker: src/ggml-alloc.c: // wip\n"
     gitutil.commit_all(gitutil.open_repo(applied.tree), message, pin.PIN_IDENTITY)
     with pytest.raises(PatchError, match="not exported.*wip.patch"):
         patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
@@ -210,6 +211,63 @@ def test_autocrlf_clone_keeps_patches_and_scripts_lf(pristine, tmp_path):
     assert len(checked) > 10
     for path in checked:
         assert b"\r" not in path.read_bytes(), f"{path.relative_to(root)} came out with CRLF"
-    # the patches are the committed bytes, so the series hash (what builds are keyed by) is unchanged
-    assert patches.series_hash(root / "patches") == patches.series_hash(paths.PATCHES_DIR)
+    # the patches are the committed bytes (what the series hash, and so every build key, is made of)
+    for path in sorted((root / "patches").iterdir()):
+        blob = subprocess.run(["git", "-C", str(root), "cat-file", "blob", f"HEAD:patches/{path.name}"],
+                              capture_output=True, check=True).stdout
+        assert path.read_bytes() == blob, f"{path.name} differs from its committed bytes"
     patches.check(patches_dir=root / "patches", pin_dir=pristine)
+
+
+# -- Upstream-Status and the upstream export -------------------------------------------------------
+
+def _am(pristine: Path, files: list[Path], where: Path):
+    import git
+
+    repo = git.Repo.clone_from(str(pristine), str(where))
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", "upstream maintainer")
+        cfg.set_value("user", "email", "maintainer@invalid")
+    repo.git.am(*[str(f) for f in files])
+    return repo
+
+
+def test_upstream_export_applies_with_git_am_onto_the_pristine_pin(applied, pristine, series_dir, tmp_path):
+    files = patches.export_upstream(tmp_path / "upstream", patches_dir=series_dir)
+    assert [f.name for f in files] == [f"{i + 1:04d}-{n}" for i, n in enumerate(patches.series_entries(series_dir))]
+    for f in files:
+        text = f.read_text()
+        assert not any(line.startswith(("Patch-Name:", "Marker:", "Upstream-Status:")) for line in text.split("\n"))
+        assert "diff --git" in text
+    repo = _am(pristine, files, tmp_path / "am")
+    work = gitutil.open_repo(applied.tree)
+    assert repo.git.rev_parse("HEAD^{tree}") == work.git.rev_parse("HEAD^{tree}")  # the same patched tree
+    assert len(repo.git.rev_list(f"{pin.SDIST_PIN_COMMIT}..HEAD").split()) == len(files)
+
+
+def test_fork_only_patch_stays_out_of_the_upstream_export(pristine, series_dir, tmp_path):
+    last = series_dir / patches.series_entries(series_dir)[-1]
+    edit(last, "Upstream-Status: submit", "Upstream-Status: fork-only")
+    files = patches.export_upstream(tmp_path / "upstream", patches_dir=series_dir)
+    assert last.stem not in " ".join(f.name for f in files) and len(files) == len(patches.series_entries(series_dir)) - 1
+    _am(pristine, files, tmp_path / "am")  # the submit patches stand without the fork-only one
+    assert patches.parse_patch(last).upstream == "fork-only"
+
+
+@pytest.mark.parametrize("old,new,match", [
+    ("Upstream-Status: submit\n", "", "Upstream-Status: ` must say where the patch is bound"),
+    ("Upstream-Status: submit", "Upstream-Status: maybe", "Upstream-Status: maybe` must say"),
+])
+def test_upstream_status_is_required(series_dir, old, new, match):
+    first = series_dir / FIRST
+    edit(first, old, new)
+    with pytest.raises(PatchError, match=match):
+        patches.parse_patch(first)
+
+
+def test_upstream_export_refuses_a_non_empty_folder(series_dir, tmp_path):
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "keep.txt").write_text("mine\n")
+    with pytest.raises(PatchError, match="not empty"):
+        patches.export_upstream(tmp_path / "up", patches_dir=series_dir)
+    assert (tmp_path / "up" / "keep.txt").read_text() == "mine\n"
