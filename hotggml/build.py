@@ -66,9 +66,14 @@ def _recipe_hash() -> str:
 
 
 def build_key(pin: str, series_hash: str, defines: dict[str, str]) -> str:
-    """16 hex digits identifying (pin, series, options, recipe); the build folder's name ends with it."""
-    blob = json.dumps({"pin": pin, "series": series_hash, "defines": defines, "recipe": _recipe_hash()},
-                      sort_keys=True)
+    """16 hex digits identifying (pin, series, options, recipe, and for a native build the CPU's
+    instruction-set flags); the build folder's name ends with it."""
+    from hotggml import cpu
+
+    record = {"pin": pin, "series": series_hash, "defines": defines, "recipe": _recipe_hash()}
+    if defines.get("GGML_NATIVE") == "ON":
+        record["cpu"] = cpu.isa_flags()  # -march=native code must not run on another CPU
+    blob = json.dumps(record, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -217,12 +222,15 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
 
 def _cmake(bdir: Path, prep, defines: dict[str, str], jobs: int | None) -> None:
     """Configure and build into bdir; `.complete` is written only after both succeed."""
+    from hotggml import cpu
+
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / ".complete").unlink(missing_ok=True)
     log = bdir / "build.log"
     configure = ["cmake", "-S", str(paths.REPO_ROOT), "-B", str(bdir), *_generator(),
                  f"-DHOTGGML_GGML_SOURCE_DIR={prep.source_dir}",
                  f"-DHOTGGML_PIN={prep.pin}", f"-DHOTGGML_SERIES_HASH={prep.series_hash}",
+                 f"-DHOTGGML_CPU_FLAGS={','.join(cpu.isa_flags())}",
                  *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
     _run(configure, log, bdir, "configure")
     _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir, "compile and link")

@@ -176,7 +176,10 @@ def _run_prepare(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         prep = prepare.prepare()
     if args.json:
-        print(json.dumps({"source_dir": str(prep.source_dir), "pin": prep.pin, "series_hash": prep.series_hash}))
+        from hotggml import cpu
+
+        print(json.dumps({"source_dir": str(prep.source_dir), "pin": prep.pin, "series_hash": prep.series_hash,
+                          "cpu_flags": ",".join(cpu.isa_flags())}))
     else:
         print(f"patched tree {prep.source_dir}: pin {prep.pin[:12]}, series {prep.series_hash[:12]}")
     return 0

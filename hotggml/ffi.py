@@ -267,6 +267,7 @@ def load():
         stamp = ffi.string(lib.hotggml_build_stamp()).decode()
     except (OSError, AttributeError) as exc:
         raise LibraryError(f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
+    check_cpu(lib_dir)
     got, want = parse_stamp(stamp), expected_stamp(lib_dir)
     if got != want:
         how = ("reinstall the package (`pip install .` from its checkout)" if lib_dir == _package_lib_dir()
@@ -275,6 +276,26 @@ def load():
             f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
             f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
     return lib
+
+
+def check_cpu(lib_dir: Path) -> None:
+    """Raise LibraryError when the library in lib_dir was built natively (-march=native) for a CPU with
+    instruction-set flags this one lacks (it would die of SIGILL); says how to get a library for this CPU."""
+    from hotggml import cpu
+
+    record_file = lib_dir / "hotggml-build.json"
+    if not record_file.is_file():
+        return
+    record = json.loads(record_file.read_text())
+    if not record.get("native"):
+        return
+    built_for = [f for f in str(record.get("cpu_flags", "")).split(",") if f]
+    lacking = cpu.missing(built_for)
+    if lacking:
+        how = ("reinstall the package on this machine (`pip install .` from its checkout)" if lib_dir == _package_lib_dir()
+               else "rebuild on this machine (`hotggml build --backend cpu`)")
+        raise LibraryError(f"{lib_dir} was built with GGML_NATIVE for a CPU with {', '.join(lacking)}, which this "
+                           f"CPU ({cpu.isa_flags()[0]}) lacks: it would stop on an illegal instruction; {how}")
 
 
 def library_info() -> dict:

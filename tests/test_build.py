@@ -86,3 +86,35 @@ def test_cmake_defines_unknown_backend(name):
 def test_build_unknown_backend(cpu_build):
     with pytest.raises(BuildError, match="unknown backend"):
         build.build("nope")
+
+
+def test_native_build_key_follows_the_cpu(monkeypatch):
+    from hotggml import cpu
+
+    native = build.cmake_defines("cpu")
+    assert native["GGML_NATIVE"] == "ON"
+    key = build.build_key("p", "s", native)
+    monkeypatch.setattr(cpu, "isa_flags", lambda: ("arch:x86_64", "avx", "sse3"))
+    assert build.build_key("p", "s", native) != key  # another CPU: another folder
+    portable = {**native, "GGML_NATIVE": "OFF"}
+    monkeypatch.setattr(cpu, "isa_flags", lambda: ("arch:x86_64",))
+    k1 = build.build_key("p", "s", portable)
+    monkeypatch.setattr(cpu, "isa_flags", lambda: ("arch:x86_64", "avx512f"))
+    assert build.build_key("p", "s", portable) == k1  # a portable build runs anywhere
+
+
+def test_native_library_refused_on_a_cpu_lacking_its_flags(tmp_path, monkeypatch, cpu_build):
+    import json
+
+    from hotggml import cpu, ffi
+    from hotggml.errors import LibraryError
+
+    record = json.loads((cpu_build.lib_dir / "hotggml-build.json").read_text())
+    assert record["native"] is True and record["cpu_flags"].split(",") == list(cpu.isa_flags())
+    ffi.check_cpu(cpu_build.lib_dir)  # the machine it was built on: fine
+    (tmp_path / "hotggml-build.json").write_text(json.dumps({**record, "cpu_flags": "arch:x86_64,avx512f,amx_tile"}))
+    monkeypatch.setattr(cpu, "isa_flags", lambda: ("arch:x86_64", "avx2"))
+    with pytest.raises(LibraryError, match="GGML_NATIVE for a CPU with avx512f, amx_tile, which this CPU"):
+        ffi.check_cpu(tmp_path)
+    (tmp_path / "hotggml-build.json").write_text(json.dumps({**record, "native": False, "cpu_flags": "avx512f"}))
+    ffi.check_cpu(tmp_path)  # portable: no claim to check
