@@ -29,6 +29,10 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# commands that work on the repository's patches/ and vendor/ggml: refused, by name, from an installed package
+NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code (0 ok, 1 check failed/stale, 2 error)."""
     parser = build_parser()
@@ -37,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        if args.command in NEEDS_CHECKOUT:
+            from hotggml import paths
+
+            paths.require_checkout(args.command)
         return int(args.func(args) or 0)
     except (HotggmlError, ValueError) as exc:  # ValueError: bad input caught in Python before any C call
         print(f"hotggml: error: {exc}", file=sys.stderr)
@@ -49,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every registered subcommand."""
     parser = argparse.ArgumentParser(prog="hotggml", description="pinned ggml + patch series tooling")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     for target in COMMANDS.values():
         _load(target)(subparsers)
     return parser

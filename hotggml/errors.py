@@ -27,3 +27,7 @@ class BackendError(HotggmlError):
 
 class UnsupportedOpError(BackendError):
     """A backend's supports_op answered false for a node at the run's real shape."""
+
+
+class CheckoutError(HotggmlError):
+    """A command that works on the repository's files (patches/, vendor/ggml) ran from an installed package."""

@@ -245,7 +245,8 @@ def expected_stamp(lib_dir: Path) -> dict:
         from hotggml import pin
 
         return {"pin": pin.UPSTREAM_COMMIT, "series_hash": _checkout_series_hash()}
-    return json.loads((lib_dir / "hotggml-build.json").read_text())
+    record = json.loads((lib_dir / "hotggml-build.json").read_text())
+    return {"pin": record.get("pin", ""), "series_hash": record.get("series_hash", "")}  # the stamp's fields only
 
 
 def parse_stamp(stamp: str) -> dict:

@@ -24,10 +24,33 @@ VENDOR_DIR = REPO_ROOT / "vendor" / "ggml"
 STATE_ENV = "HOTGGML_STATE_DIR"
 
 
+def is_checkout() -> bool:
+    """Whether the package runs from a hotggml checkout (its patches/series and pyproject.toml beside
+    it), not from an installed copy in site-packages."""
+    return (REPO_ROOT / "patches" / "series").is_file() and (REPO_ROOT / "pyproject.toml").is_file()
+
+
+def require_checkout(command: str) -> None:
+    """Raise CheckoutError unless this is a checkout: `command` works on its patches/ and vendor/ggml,
+    which an installed package does not have (and must not create under site-packages)."""
+    if not is_checkout():
+        from hotggml.errors import CheckoutError
+
+        raise CheckoutError(f"`hotggml {command}` works on a hotggml checkout (patches/series, vendor/ggml); "
+                            f"this is an installed package at {REPO_ROOT}: run it in a clone of the repository")
+
+
 def state_dir() -> Path:
-    """Return the state folder: $HOTGGML_STATE_DIR, else REPO_ROOT/.hotggml (not created)."""
+    """Return the state folder (not created): $HOTGGML_STATE_DIR; else REPO_ROOT/.hotggml in a checkout;
+    else, for an installed package, the user's cache folder ($XDG_CACHE_HOME or ~/.cache, /hotggml):
+    never a folder inside site-packages."""
     override = os.environ.get(STATE_ENV)
-    return Path(override).expanduser().resolve() if override else REPO_ROOT / ".hotggml"
+    if override:
+        return Path(override).expanduser().resolve()
+    if is_checkout():
+        return REPO_ROOT / ".hotggml"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser().resolve() / "hotggml"
 
 
 def cache_dir() -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotggml import patches, pin
+from hotggml import patches, paths, pin
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class Prepared:
 def prepare() -> Prepared:
     """Materialize + verify the pin (hotggml.pin.fetch), then apply the series (hotggml.patches.apply).
 
-    Raises PinError / PatchError with messages that say what to do.
+    Raises CheckoutError outside a checkout, PinError / PatchError with messages that say what to do.
     """
+    paths.require_checkout("prepare")
     pin.fetch()
     applied = patches.apply()
     return Prepared(applied.tree, pin.UPSTREAM_COMMIT, applied.series_hash)

@@ -118,3 +118,22 @@ def test_native_library_refused_on_a_cpu_lacking_its_flags(tmp_path, monkeypatch
         ffi.check_cpu(tmp_path)
     (tmp_path / "hotggml-build.json").write_text(json.dumps({**record, "native": False, "cpu_flags": "avx512f"}))
     ffi.check_cpu(tmp_path)  # portable: no claim to check
+
+
+def test_installed_package_keeps_out_of_site_packages(tmp_path, monkeypatch, capsys):
+    """Outside a checkout (an installed package), state goes to the user's cache folder, and the commands
+    that work on patches/ and vendor/ggml refuse by name instead of creating them under site-packages."""
+    from hotggml import cli
+
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setattr(paths, "REPO_ROOT", site)
+    monkeypatch.delenv(paths.STATE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert not paths.is_checkout()
+    assert paths.state_dir() == (tmp_path / "cache" / "hotggml").resolve()
+    for command in (["fetch"], ["patches", "status"], ["prepare"], ["build"], ["floor"]):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert f"`hotggml {command[0]}` works on a hotggml checkout" in err and "Traceback" not in err
+    assert list(site.iterdir()) == []
