@@ -3,7 +3,7 @@
 # .hotggml: the build itself fetches the pinned sdist through pip, as on a user's machine, never from
 # the cache an earlier step filled): the wheel must carry the patched libraries in hotggml/lib, and
 # the installed package, run from /, must load them, pass its stamp check and a smoke parity case, and
-# leave site-packages as it was installed.
+# leave site-packages as it was installed; an editable install of the same clone loads its libraries too.
 source "$(dirname "$0")/env.sh"
 out=$PWD/.hotggml/wheel
 rm -rf "$out" && mkdir -p "$out"
@@ -38,4 +38,17 @@ assert run.returncode == 2 and "works on a hotggml checkout" in run.stderr, run.
 after = snapshot()
 assert after == before, f"site-packages changed: {sorted(set(after) ^ set(before))[:5]}"
 print(f"wheel: from /, `hotggml parity` passes, `hotggml fetch` refuses by name, site-packages unchanged ({len(after)} files)")
+PY
+
+# an editable install (`pip install -e .`) of the same clone loads the libraries it installed, from / too
+python -m venv "$out/venv-e"
+"$out/venv-e/bin/python" -m pip install --quiet --disable-pip-version-check -e "$out/src"
+cd / && env -u PYTHONPATH "$out/venv-e/bin/python" - <<'PY'
+import hotggml.ffi as ffi
+from hotggml import cases, parity
+lib_dir = ffi.find_lib_dir()
+assert lib_dir == ffi._package_lib_dir() and (lib_dir / "libggml.so").exists(), lib_dir
+res = parity.run_case(cases.SMOKE[0], "CPU")
+print(f"editable: modules {ffi.__file__}, libraries {lib_dir}: {res.case} {'PASS' if res.passed else 'FAIL'}")
+raise SystemExit(0 if res.passed else 1)
 PY

@@ -10,6 +10,7 @@ LibraryError saying how to rebuild.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from functools import lru_cache
@@ -195,7 +196,14 @@ ffi.cdef(CDEF_STAMP)
 
 
 def _package_lib_dir() -> Path:
-    return Path(__file__).resolve().parent / "lib"
+    """The package's own lib/ (`pip install .`): beside the modules, or, for an editable install
+    (`pip install -e .`), where the installer put the compiled files; importlib.resources knows both."""
+    here = Path(__file__).resolve().parent / "lib"
+    try:
+        found = Path(str(importlib.resources.files("hotggml").joinpath("lib")))
+    except (ImportError, TypeError, ValueError):
+        return here
+    return found if found.is_dir() else here
 
 
 def find_lib_dir() -> Path:
