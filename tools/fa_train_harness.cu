@@ -4,7 +4,7 @@
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I$W/include -I$W/src -I$W/src/ggml-cuda tools/fa_train_harness.cu \
 //        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness   (W = .hotggml/work/ggml)
-//   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal]
+//   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal | bias]
 //
 // The host functions of fattn-train.cu (dispatch, supports_op) reference ggml-cuda symbols this program
 // does not link; they are never called here. For kernel iteration only: claims come from hotggml bench.
@@ -51,12 +51,67 @@ static void launch_k(K kernel, dim3 grid, dim3 nt, size_t smem, const fa_train_p
     CK(cudaGetLastError());
 }
 
+// float64 reference: O [D, Nh, S], LSE [Nh, S], and for dO the gradients dQ, dK, dV (q, k, v layouts; B = 1)
+struct ref_out { std::vector<double> O, L, dQ, dK, dV; };
+
+static ref_out reference(const std::vector<float> & q, const std::vector<float> & k, const std::vector<float> & v,
+        const std::vector<half> & m, const std::vector<float> & dO, int S, int Skv, int Nh, int Nkv, int D, double scale) {
+    ref_out r;
+    r.O.assign((size_t) D*Nh*S, 0); r.L.assign((size_t) Nh*S, 0);
+    r.dQ.assign(q.size(), 0); r.dK.assign(k.size(), 0); r.dV.assign(v.size(), 0);
+    std::vector<double> s(Skv), P(Skv);
+    for (int h = 0; h < Nh; ++h) for (int i = 0; i < S; ++i) {
+        const int hk = h / (Nh/Nkv);
+        const float * qi = &q[((size_t) h*S + i)*D];
+        double M = -INFINITY;
+        for (int j = 0; j < Skv; ++j) {
+            const double mm = m.empty() ? 0.0 : (double) __half2float(m[(size_t) i*Skv + j]);
+            double dot = 0; for (int c = 0; c < D; ++c) dot += (double) qi[c]*k[((size_t) hk*Skv + j)*D + c];
+            s[j] = std::isinf(mm) ? -INFINITY : scale*dot + mm;
+            M = std::max(M, s[j]);
+        }
+        if (M == -INFINITY) continue; // a fully masked row: O = LSE = dQ = 0
+        double l = 0; for (int j = 0; j < Skv; ++j) { P[j] = std::exp(s[j] - M); l += P[j]; }
+        const size_t row = (size_t) i*Nh + h;
+        r.L[row] = M + std::log(l);
+        double Di = 0;
+        for (int c = 0; c < D; ++c) {
+            double o = 0; for (int j = 0; j < Skv; ++j) o += P[j]/l*v[((size_t) hk*Skv + j)*D + c];
+            r.O[row*D + c] = o; Di += o*dO[row*D + c];
+        }
+        for (int j = 0; j < Skv; ++j) {
+            const double pj = P[j]/l;
+            if (pj == 0) continue;
+            double dp = 0; for (int c = 0; c < D; ++c) dp += dO[row*D + c]*v[((size_t) hk*Skv + j)*D + c];
+            const double ds = pj*(dp - Di);
+            for (int c = 0; c < D; ++c) {
+                r.dQ[((size_t) h*S + i)*D + c] += scale*ds*k[((size_t) hk*Skv + j)*D + c];
+                r.dK[((size_t) hk*Skv + j)*D + c] += scale*ds*qi[c];
+                r.dV[((size_t) hk*Skv + j)*D + c] += pj*dO[row*D + c];
+            }
+        }
+    }
+    return r;
+}
+
+static double worst_rel_d(const std::vector<float> & x, const std::vector<double> & ref) {
+    double num = 0, den = 1e-5;
+    for (size_t i = 0; i < x.size(); ++i) {
+        if (!std::isfinite(x[i])) return NAN;
+        num = std::max(num, fabs(x[i] - ref[i])); den = std::max(den, fabs(ref[i]));
+    }
+    return num/den;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 6) { printf("usage: %s S Skv Nh Nkv D [causal]\n", argv[0]); return 2; }
     const int S = atoi(argv[1]), Skv = atoi(argv[2]), Nh = atoi(argv[3]), Nkv = atoi(argv[4]), D = atoi(argv[5]);
     // argv[6]: "causal" a stored f16 causal mask for every kernel; "icausal" the implicit causal mask for the
     // TF32 kernels (no mask in memory) against the f32 kernels on the stored one
-    const bool causal = argc > 6, implicit = causal && strcmp(argv[6], "icausal") == 0;
+    // "bias": a stored mask of finite biases with a fifth -INF, query row 1 and key 2 masked whole, NaN in K
+    // and V at key 2 (garbage no result may see), and every kernel checked against a float64 reference
+    const bool bias = argc > 6 && strcmp(argv[6], "bias") == 0;
+    const bool causal = argc > 6 && !bias, implicit = causal && strcmp(argv[6], "icausal") == 0;
     std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) D*Skv*Nkv);
     for (auto & x : q) x = u(gen); for (auto & x : k) x = u(gen); for (auto & x : v) x = u(gen);
@@ -65,12 +120,23 @@ int main(int argc, char ** argv) {
         m.resize((size_t) S*Skv);
         for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) m[(size_t) i*Skv + j] = __float2half(j <= i + (Skv - S) ? 0.0f : -INFINITY);
     }
+    if (bias) {
+        m.resize((size_t) S*Skv);
+        for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) {
+            const float x = 3.0f*u(gen);
+            m[(size_t) i*Skv + j] = __float2half(i == 1 || j == 2 || gen() % 5 == 0 ? -INFINITY : x);
+        }
+    }
     fa_train_params p = {};
-    p.q = dev_upload(q); p.k = dev_upload(k); p.v = dev_upload(v);
+    std::vector<float> kg = k, vg = v; // the device's copies: NaN at the masked key
+    if (bias) for (int h = 0; h < Nkv; ++h) for (int c = 0; c < D; ++c) {
+        kg[((size_t) h*Skv + 2)*D + c] = NAN; vg[((size_t) h*Skv + 2)*D + c] = NAN;
+    }
+    p.q = dev_upload(q); p.k = dev_upload(kg); p.v = dev_upload(vg);
     p.q_nb1 = D; p.q_nb2 = (int64_t) D*S; p.q_nb3 = (int64_t) D*S*Nh;
     p.k_nb1 = D; p.k_nb2 = (int64_t) D*Skv; p.k_nb3 = (int64_t) D*Skv*Nkv;
     p.v_nb1 = D; p.v_nb2 = p.k_nb2; p.v_nb3 = p.k_nb3;
-    if (causal) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
+    if (causal || bias) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
     p.m_ne3 = 1; p.window = -1;
     p.D = D; p.Dv = D; p.S = S; p.Skv = Skv; p.Nh = Nh; p.Nkv = Nkv; p.B = 1; p.gqa = Nh/Nkv; p.scale = 1.0f/sqrtf((float) D);
     p.vec_q = p.vec_k = p.vec_v = D % 4 == 0;
@@ -99,7 +165,7 @@ int main(int argc, char ** argv) {
     const bool have_v2 = fa_reg_get_shape(D, D).D != 0;
     if (have_v2) run_read(v2, O2, L2);
     const double flops = 2.0*(2.0*D)*Nh*(causal ? (double) S*Skv - (double) S*(S - 1)/2 : (double) S*Skv);
-    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
+    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, bias ? "bias+NaN keys" : causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
     as_ref();
     const float tf = time_ms(f32);
     as_test();
@@ -116,6 +182,16 @@ int main(int argc, char ** argv) {
     for (auto & x : dO) x = u(gen);
     as_ref();
     p.dO = dev_upload(dO);
+    ref_out ref;
+    if (bias) {
+        ref = reference(q, k, v, m, dO, S, Skv, Nh, Nkv, D, p.scale);
+        printf("  vs float64: fwd f32 O %.2e LSE %.2e | tf32 v1 O %.2e LSE %.2e", worst_rel_d(Or, ref.O), worst_rel_d(Lr, ref.L),
+               worst_rel_d(O1, ref.O), worst_rel_d(L1, ref.L));
+        if (have_v2) printf(" | tf32 reg O %.2e LSE %.2e", worst_rel_d(O2, ref.O), worst_rel_d(L2, ref.L));
+        printf("\n");
+        for (size_t e = 0; e < ref.O.size(); ++e) Or[e] = (float) ref.O[e];
+        for (size_t e = 0; e < ref.L.size(); ++e) Lr[e] = (float) ref.L[e];
+    }
     CK(cudaMemcpy(p.O, Or.data(), nO*sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(p.LSE, Lr.data(), nL*sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMalloc(&p.Di, nL*sizeof(float)));
@@ -148,6 +224,11 @@ int main(int argc, char ** argv) {
     printf("bwd\n  f32      dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s\n", tdq_f, tkv_f, bflops/(tdq_f + tkv_f)/1e9);
     printf("  tf32 v1  dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e\n", tdq1, tkv1, bflops/(tdq1 + tkv1)/1e9,
            worst_rel(g1[0], gr[0]), worst_rel(g1[1], gr[1]), worst_rel(g1[2], gr[2]));
+    if (bias) {
+        printf("  vs float64: bwd f32 dQ %.2e dK %.2e dV %.2e | tf32 v1 dQ %.2e dK %.2e dV %.2e\n",
+               worst_rel_d(gr[0], ref.dQ), worst_rel_d(gr[1], ref.dK), worst_rel_d(gr[2], ref.dV),
+               worst_rel_d(g1[0], ref.dQ), worst_rel_d(g1[1], ref.dK), worst_rel_d(g1[2], ref.dV));
+    }
     if (have_v2) {
         const bool kv_reg = fa_reg_dkv_smem(rs) != 0;
         grads(dq_reg, [&]() { if (kv_reg) dkv_reg(); else dkv_v1(); }, g2);
@@ -155,6 +236,10 @@ int main(int argc, char ** argv) {
         printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms%s  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
                kv_reg ? "" : " (v1)", bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
                (tdq1 + tkv1)/(tdq2 + tkv2));
+        if (bias) {
+            printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
+                   worst_rel_d(g2[0], ref.dQ), worst_rel_d(g2[1], ref.dK), worst_rel_d(g2[2], ref.dV));
+        }
     }
     return 0;
 }
