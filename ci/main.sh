@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The main job on the CPU: pinned ggml -> patch series -> CMake build -> parity -> memory table.
 # Fails (non-zero) on a tampered pin, a patch that does not apply or misses a marker, a build
-# error, or any parity failure. Full records go to .hotggml/reports/.
+# error, or any parity failure. Full records go to .hotggml/reports/ (main-job.json: each step's
+# exit status and seconds).
 source "$(dirname "$0")/env.sh"
+STEPS_REPORT=.hotggml/reports/main-job.json
+source ci/steps.sh
 mkdir -p .hotggml/reports
-hotggml fetch
-hotggml patches check
-hotggml patches apply
-hotggml build --backend cpu
-hotggml build --backend cpu --define GGML_RPC=ON   # every GGML_OP_COUNT check agrees (ggml-rpc.h has one)
-hotggml parity --backend cpu --set smoke --set real --threads 1,2 --json .hotggml/reports/parity-cpu.json
-hotggml memory --backend cpu
-hotggml bench --backend cpu --case dit-self-full-1250 --runs 5
-hotggml probe --backend cpu
+step fetch          hotggml fetch
+step patches-check  hotggml patches check   # LF, names, applies onto a pristine pin, markers, canonical export
+step patches-apply  hotggml patches apply
+step cpu-build      hotggml build --backend cpu
+step rpc-build      hotggml build --backend cpu --define GGML_RPC=ON   # every GGML_OP_COUNT check agrees (ggml-rpc.h has one)
+step parity         hotggml parity --backend cpu --set smoke --set real --threads 1,2 --json .hotggml/reports/parity-cpu.json
+step memory         hotggml memory --backend cpu
+step bench          hotggml bench --backend cpu --case dit-self-full-1250 --runs 5
+step probe          hotggml probe --backend cpu
