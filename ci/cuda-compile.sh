@@ -3,7 +3,9 @@
 # kernel or dispatch that does not compile fails the gate on a machine without a GPU. cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
-source "$(dirname "$0")/env.sh"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/env.sh
 if ! command -v nvcc > /dev/null; then
     echo "cuda-compile: SKIPPED: no nvcc on PATH (the CUDA sources were not compiled)"
     exit 0

@@ -3,7 +3,9 @@
 # Fails (non-zero) on a tampered pin, a patch that does not apply or misses a marker, a build
 # error, or any parity failure. Full records go to .hotggml/reports/ (main-job.json: each step's
 # exit status and seconds).
-source "$(dirname "$0")/env.sh"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/env.sh
 STEPS_REPORT=.hotggml/reports/main-job.json
 source ci/steps.sh
 mkdir -p .hotggml/reports

@@ -4,7 +4,9 @@
 # the cache an earlier step filled): the wheel must carry the patched libraries in hotggml/lib, and
 # the installed package, run from /, must load them, pass its stamp check and a smoke parity case, and
 # leave site-packages as it was installed; an editable install of the same clone loads its libraries too.
-source "$(dirname "$0")/env.sh"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/env.sh
 out=$PWD/.hotggml/wheel
 rm -rf "$out" && mkdir -p "$out"
 git clone --quiet . "$out/src"
