@@ -213,7 +213,12 @@ def find_lib_dir() -> Path:
     """
     looked = []
     env = os.environ.get("HOTGGML_LIB_DIR")
-    candidates = [Path(env)] if env else []
+    if env:  # asked for by name: that library or an error, never another one
+        if not (Path(env) / _lib_file_name()).is_file():
+            raise LibraryError(f"HOTGGML_LIB_DIR={env} holds no {_lib_file_name()}: point it at a build's lib/ "
+                               "folder, or unset it to use this checkout's build or the installed package")
+        return Path(env)
+    candidates = []
     candidates.append(_package_lib_dir())
     from hotggml import build  # the binding only needs to know where the built library is
 

@@ -17,6 +17,7 @@ from hotggml.errors import BackendError
 from hotggml.ffi import ffi, load
 
 GGML_MAX_DIMS = 4
+FLAG_INPUT, FLAG_OUTPUT, FLAG_PARAM = 1, 2, 4  # enum ggml_tensor_flag
 _GGML_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 _NP_TYPES = {v: k for k, v in _GGML_TYPES.items()}
 
@@ -98,10 +99,21 @@ class Backend:
 
 @dataclass(frozen=True, eq=False)
 class Tensor:
-    """A ggml tensor node of a Graph (a thin handle on the C struct)."""
+    """A ggml tensor node of a Graph (a thin handle on the C struct).
+
+    The struct lives in its Graph's context: once the Graph is closed, every use of the handle raises
+    RuntimeError (reading freed memory would crash the interpreter or return garbage).
+    """
 
     graph: "Graph"
-    ptr: object
+    raw: object
+
+    @property
+    def ptr(self):
+        """The C struct; RuntimeError once the Graph is closed."""
+        if self.graph.ctx is None:
+            raise RuntimeError("this tensor's Graph is closed: its tensors are freed")
+        return self.raw
 
     @property
     def ne(self) -> tuple[int, ...]:
@@ -180,6 +192,8 @@ class Graph:
     # -- leaves -------------------------------------------------------------------------
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
         """An uninitialised tensor of shape ne (ggml order); dtype float32 or float16."""
+        if self.ctx is None:
+            raise RuntimeError("this Graph is closed")
         dtype = np.dtype(dtype)
         if dtype not in _GGML_TYPES:
             raise TypeError(f"unsupported dtype {dtype}: use float32 or float16")
@@ -193,6 +207,8 @@ class Graph:
 
     def input(self, array: np.ndarray, name: str | None = None, dtype=None) -> Tensor:
         """A leaf holding ``array`` (uploaded at compute time); NumPy shape (.., slowest) -> ggml reversed."""
+        if self.ctx is None:
+            raise RuntimeError("this Graph is closed")
         array = np.asarray(array)
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
@@ -299,14 +315,19 @@ class Graph:
         if self.gf is not None:
             raise RuntimeError("build() was already called on this Graph")
         self.own(*outputs, *([loss] if loss is not None else []))
+        if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
+            if loss.ne != (1, 1, 1, 1):
+                raise ValueError(f"loss must be a scalar, got {loss.ne}")
+            if not any(int(t.ptr.flags) & FLAG_PARAM for t, _ in self._uploads):
+                # ggml_build_backward_expand asserts (and kills the interpreter) when nothing is a parameter
+                raise ValueError("build() with a loss needs at least one param() to differentiate: "
+                                 "declare the leaves that need gradients with Graph.param")
         self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
         for t in outputs:
             self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)
             self.lib.ggml_set_output(t.ptr)
             self.lib.ggml_build_forward_expand(self.gf, t.ptr)
         if loss is not None:
-            if loss.ne != (1, 1, 1, 1):
-                raise ValueError(f"loss must be a scalar, got {loss.ne}")
             self.lib.ggml_set_loss(loss.ptr)
             self.lib.ggml_set_output(loss.ptr)
             self.lib.ggml_build_forward_expand(self.gf, loss.ptr)
@@ -458,13 +479,20 @@ class Graph:
     def read(self, t: Tensor) -> np.ndarray:
         """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured).
 
-        Raises RuntimeError before compute() (nothing is allocated yet) and TypeError for a tensor
-        of another Graph.
+        Only inputs, parameters, build() outputs and gradients (or views of them) are readable: the
+        allocator reuses every other node's memory once its consumers ran. Raises RuntimeError before
+        compute() (nothing is allocated yet) or after close(), TypeError for a tensor of another Graph,
+        ValueError for a tensor whose memory is not kept.
         """
         self._need_graph()
         self.own(t)
         if not self._computed:
             raise RuntimeError("call compute() before reading tensors")
+        keeps = FLAG_INPUT | FLAG_OUTPUT | FLAG_PARAM
+        if not (int(t.ptr.flags) & keeps or (t.ptr.view_src != ffi.NULL and int(t.ptr.view_src.flags) & keeps)):
+            # the allocator reuses a node's memory once its consumers ran: its bytes are someone else's now
+            raise ValueError(f"{t.op_name} {t.ne} is not an input, a parameter, an output or a gradient of this "
+                             "graph: its memory was reused; pass it to build() as an output to read it")
         if t.ptr.buffer == ffi.NULL and (t.ptr.view_src == ffi.NULL or t.ptr.view_src.buffer == ffi.NULL):
             raise ValueError("tensor is not part of the computed graph (no buffer): build() it as an output")
         ne, nb = t.ne, t.nb
@@ -479,6 +507,7 @@ class Graph:
     def grad(self, t: Tensor) -> np.ndarray | None:
         """dL/dt in t's logical shape, or None if t got no gradient (ggml may hand back a strided view)."""
         self._need_graph()
+        self.own(t)
         g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
         if g == ffi.NULL:
             return None
