@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotggml import paths
+from hotggml import paths, procs
 from hotggml.errors import BuildError
 
 BACKENDS = ("cpu", "cuda")
@@ -92,30 +92,6 @@ def _generator() -> list[str]:
 _PGID_FILE = ".build-pgid"  # in a build folder while its CMake runs: the process group to end if we die
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group pgid, from /proc (Linux); [] elsewhere."""
-    members = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ... after "(comm)"
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def _works_in(pid: int, bdir: Path) -> bool:
-    """Whether process pid is a build of bdir (its command line or working folder names it)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    return str(bdir) in cmdline or cwd == str(bdir) or cwd.startswith(str(bdir) + os.sep)
-
-
 def _end_stale_group(bdir: Path) -> None:
     """End the process group a killed build left running in bdir (cmake, ninja, compilers still writing
     into the folder), and wait until it is gone. Called with the folder's lock held. A recorded group
@@ -127,8 +103,8 @@ def _end_stale_group(bdir: Path) -> None:
         pgid = int(record.read_text().split()[0])
     except (ValueError, IndexError):
         pgid = 0
-    members = _group_members(pgid) if pgid > 1 and pgid != os.getpgid(0) else []
-    if any(_works_in(pid, bdir) for pid in members):
+    members = procs.group_members(pgid) if pgid > 1 and pgid != os.getpgid(0) else []
+    if any(procs.works_in(pid, bdir) for pid in members):
         print(f"hotggml: ending the processes of an interrupted build in {bdir} (group {pgid})",
               file=sys.stderr, flush=True)
         try:
@@ -136,7 +112,7 @@ def _end_stale_group(bdir: Path) -> None:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 30
-        while _group_members(pgid):
+        while procs.group_members(pgid):
             if time.monotonic() > deadline:
                 raise BuildError(f"processes of an interrupted build (group {pgid}) in {bdir} did not end")
             time.sleep(0.05)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import git
 
-from hotggml import gitutil, paths, pin
+from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
 
 SERIES_FILE = "series"
@@ -384,8 +384,8 @@ def _recover(dest: Path) -> None:
     if not dest.exists() and _old(dest).exists():
         os.rename(_old(dest), dest)
     for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(_old(dest), ignore_errors=True)
+        procs.remove_tree(stale)  # ends a killed apply's git children still writing there first
+    procs.remove_tree(_old(dest))
 
 
 def _already_applied(dest: Path, pin_sha: str, shash: str) -> ApplyResult | None:

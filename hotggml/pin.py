@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 
 import git
 
-from hotggml import gitutil, paths
+from hotggml import gitutil, paths, procs
 from hotggml.errors import PinError
 
 TAG = "v0.15.3"
@@ -236,10 +236,11 @@ def _check_sha256(tarball: Path) -> None:
 # -- materialization ----------------------------------------------------------------------
 
 def _remove_stale_temps(dest: Path) -> None:
-    # Left by an interrupted fetch; we hold the lock, so no live fetch owns them.
+    # Left by an interrupted fetch; we hold the lock, so no live fetch owns them (a killed fetch's git
+    # children may still be writing into them: procs.remove_tree ends those first)
     for stale in dest.parent.glob(_TMP_PREFIX.format(name=dest.name) + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(dest.with_name(f".{dest.name}.old"), ignore_errors=True)
+        procs.remove_tree(stale)
+    procs.remove_tree(dest.with_name(f".{dest.name}.old"))
 
 
 def _materialize(tarball: Path, dest: Path) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hotggml import build, paths
+from hotggml import build, paths, procs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups read from /proc")
 
@@ -80,14 +80,14 @@ def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
     while time.monotonic() < deadline:  # wait for the --build step (configure writes the record first)
         if record.is_file():
             pgid = int(record.read_text())
-            if any("--build" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in build._group_members(pgid)):
+            if any("--build" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in procs.group_members(pgid)):
                 break
         time.sleep(0.05)
     else:
         pytest.fail("the fake build never started")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert build._group_members(pgid), "the orphans this test is about are not there"
+    assert procs.group_members(pgid), "the orphans this test is about are not there"
     assert not (_bdir() / ".complete").exists()  # a killed build is not a finished one
 
     again = _driver(env, tmp_path, seconds="1")
@@ -95,7 +95,7 @@ def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
     assert again.returncode == 0, err
     assert "ending the processes of an interrupted build" in err
     assert out.split()[0] == "built"
-    assert build._group_members(pgid) == []  # no leftover process of the killed build
+    assert procs.group_members(pgid) == []  # no leftover process of the killed build
     assert (_bdir() / ".complete").is_file()
 
 

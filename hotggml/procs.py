@@ -1,0 +1,77 @@
+"""Processes a killed hotggml command leaves behind (Linux /proc; elsewhere these find nothing).
+
+`kill -9` of hotggml ends Python, not the processes it started: git (fetch, apply) or cmake, ninja and
+the compilers (build) go on writing into the folder the next run is about to reuse or remove. The next
+run, holding that folder's lock, ends them first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after "(comm)": state, ppid, pgrp, ...; [] when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping (a zombie is not: it only waits to be reaped)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group pgid."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat_fields(int(entry.name))
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def works_in(pid: int, folder: Path) -> bool:
+    """Whether process pid works in folder: its working folder is in it, or its command line names it."""
+    folder = str(folder)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return folder in cmdline or cwd == folder or cwd.startswith(folder + os.sep)
+
+
+def working_in(folder: Path) -> list[int]:
+    """Live processes (other than this one) working in folder."""
+    return [int(e.name) for e in Path("/proc").glob("[0-9]*")
+            if int(e.name) != os.getpid() and alive(int(e.name)) and works_in(int(e.name), folder)]
+
+
+def end(pids: list[int], timeout: float = 30.0) -> None:
+    """SIGKILL pids and wait until none is alive; RuntimeError after timeout seconds."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} did not end")
+        time.sleep(0.02)
+
+
+def remove_tree(folder: Path) -> None:
+    """Remove a folder an interrupted run left, after ending the processes still working in it (removing
+    it under them would leave a half-recreated folder behind)."""
+    end(working_in(folder))
+    shutil.rmtree(folder, ignore_errors=True)
