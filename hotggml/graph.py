@@ -9,6 +9,7 @@ allocator (gallocr) in one arena, whose size is the compute memory the graph nee
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,8 @@ class Backend:
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
             raise BackendError(f"backend device {device_name!r} failed to initialise")
+        # freed by close(), or by the garbage collector for a Backend never closed (never twice)
+        self._finalizer = weakref.finalize(self, lib.ggml_backend_free, self._ptr)
         if n_threads is not None:
             if self.device_name != "CPU":
                 raise ValueError("n_threads applies to the CPU backend only")
@@ -86,15 +89,40 @@ class Backend:
         return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
 
     def close(self) -> None:
-        if self._ptr is not None and self._ptr != ffi.NULL:
-            load().ggml_backend_free(self._ptr)
+        """Free the backend (once; a Graph still holding it keeps it until that Graph is freed)."""
+        self._finalizer()
         self._ptr = None
+
+    def need_open(self) -> None:
+        """RuntimeError when the backend was closed (its C object is freed)."""
+        if self._ptr is None:
+            raise RuntimeError(f"backend {self.device_name} is closed")
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Native:
+    """What a Graph owns in C, freed in dependency order by free(): from close(), or by the garbage
+    collector for a Graph never closed (weakref.finalize holds this object, never the Graph). It keeps
+    the Graph's Backend alive while buffers made on it exist."""
+
+    def __init__(self, lib, backend):
+        self.lib, self.backend = lib, backend
+        self.sched = self.galloc = self.in_buf = None
+        self.ctx = self.ctx_in = None
+
+    def free(self) -> None:
+        if self.sched is not None:
+            self.sched.close()  # its buffers hold the graph's nodes: before the contexts
+        self.sched = self.galloc = self.in_buf = None  # cffi frees the allocator and the input buffer
+        for ctx in (self.ctx, self.ctx_in):
+            if ctx is not None and ctx != ffi.NULL:
+                self.lib.ggml_free(ctx)
+        self.ctx = self.ctx_in = self.backend = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,24 +194,26 @@ class Graph:
     def __init__(self, backend: Backend, max_nodes: int = 16384, scheduled: bool = False):
         if not isinstance(max_nodes, int) or max_nodes < 16:
             raise ValueError(f"max_nodes must be an int >= 16, got {max_nodes!r}")
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a hotggml Backend, got {type(backend).__name__}")
+        backend.need_open()
         self.lib = load()
         self.backend = backend
         self.max_nodes = max_nodes
-        self._sched = None
+        self._native = _Native(self.lib, backend)
+        self._finalizer = weakref.finalize(self, self._native.free)  # a Graph never closed is freed when collected
         if scheduled:
             from hotggml.sched import Scheduler
 
             # ggml asserts nodes + leafs <= the scheduler's hash size; each is bounded by max_nodes
             self._sched = Scheduler(backend, graph_size=2 * max_nodes)
         mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
-        self.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
-        self.ctx_in = self.lib.ggml_init({"mem_size": self.lib.ggml_tensor_overhead() * self.MAX_INPUTS,
-                                          "mem_buffer": ffi.NULL, "no_alloc": True})
+        self.ctx = self._native.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
+        self.ctx_in = self._native.ctx_in = self.lib.ggml_init(
+            {"mem_size": self.lib.ggml_tensor_overhead() * self.MAX_INPUTS, "mem_buffer": ffi.NULL, "no_alloc": True})
         if self.ctx == ffi.NULL or self.ctx_in == ffi.NULL:
             raise MemoryError("ggml_init failed")
-        self._in_buf = None
         self.gf = None
-        self._galloc = None
         self._uploads: list[tuple[Tensor, np.ndarray]] = []
         self._loss: Tensor | None = None
         self._computed = False
@@ -339,6 +369,7 @@ class Graph:
                     self.lib.ggml_set_output(g)
                     self.lib.ggml_build_forward_expand(self.gf, g)
         # inputs get their own buffer now, so the arena measures the graph's compute memory only
+        self.backend.need_open()
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
         if buf == ffi.NULL and self._uploads:
             raise MemoryError("input buffer allocation failed on " + self.backend.device_name)
@@ -358,6 +389,7 @@ class Graph:
             raise RuntimeError("call build() first")
 
     def _new_allocator(self):
+        self.backend.need_open()
         buft = self.lib.ggml_backend_get_default_buffer_type(self.backend._ptr)
         return ffi.gc(self.lib.ggml_gallocr_new(buft), self.lib.ggml_gallocr_free)
 
@@ -466,6 +498,7 @@ class Graph:
     def _prepare_run(self, poison) -> None:
         """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors."""
         self._need_graph()
+        self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
         self._allocate()
         for t, arr in self._uploads:
             self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
@@ -513,16 +546,15 @@ class Graph:
             return None
         return self.read(Tensor(self, g))
 
+    # what the Graph owns in C lives in self._native (see _Native), so that the collector can free it
+    _sched = property(lambda self: self._native.sched, lambda self, v: setattr(self._native, "sched", v))
+    _galloc = property(lambda self: self._native.galloc, lambda self, v: setattr(self._native, "galloc", v))
+    _in_buf = property(lambda self: self._native.in_buf, lambda self, v: setattr(self._native, "in_buf", v))
+
     def close(self) -> None:
-        if self.ctx is not None:
-            if self._sched is not None:
-                self._sched.close()  # its buffers hold this graph's nodes: free before the context
-                self._sched = None
-            self._galloc = None
-            self._in_buf = None
-            self.lib.ggml_free(self.ctx)
-            self.lib.ggml_free(self.ctx_in)
-            self.ctx = None
+        """Free the graph's contexts, buffers and scheduler (once); its tensors refuse any use afterwards."""
+        self._finalizer()
+        self.ctx = None
 
     def __enter__(self):
         return self
