@@ -3,6 +3,8 @@
 #   bash tools/fa-harness.sh OUTDIR "S Skv Nh Nkv D [causal]" ...
 # materializes and patches the pin (as tools/gpu-run.sh), compiles tools/fa_train_harness.cu against the
 # patched fattn-train.cu, and runs it once per shape argument. Output to OUTDIR/harness.log and stdout.
+# NCU='regex ...': instead of timing, profile the first launch of each kernel matching a regex with Nsight
+# Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks).
 set -uo pipefail
 out=${1:?usage: bash tools/fa-harness.sh OUTDIR SHAPE...}; shift
 mkdir -p "$out"
@@ -18,6 +20,17 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
     nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
         -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness || exit 1
     for shape in "$@"; do
-        /tmp/fa_harness $shape || exit 1
+        if [ -z "${NCU:-}" ]; then
+            /tmp/fa_harness $shape || exit 1
+            continue
+        fi
+        for k in $NCU; do
+            echo "=== ncu $k at $shape"
+            ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
+                --section WarpStateStats --section SchedulerStats --section LaunchStats \
+                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/fa_harness $shape \
+                | sed -n '/==PROF==/,$p' | grep -v '^  *-\+ *-' || exit 1
+        done
     done
 } 2>&1 | tee "$out/harness.log"

@@ -110,8 +110,10 @@ int main(int argc, char ** argv) {
     // TF32 kernels (no mask in memory) against the f32 kernels on the stored one
     // "bias": a stored mask of finite biases with a fifth -INF, query row 1 and key 2 masked whole, NaN in K
     // and V at key 2 (garbage no result may see), and every kernel checked against a float64 reference
+    // "iwindow:W": the implicit window |i' - j| <= W for the TF32 kernels, against the f32 kernels on it stored
     const bool bias = argc > 6 && strcmp(argv[6], "bias") == 0;
-    const bool causal = argc > 6 && !bias, implicit = causal && strcmp(argv[6], "icausal") == 0;
+    const int window = argc > 6 && strncmp(argv[6], "iwindow:", 8) == 0 ? atoi(argv[6] + 8) : -1;
+    const bool causal = argc > 6 && !bias && window < 0, implicit = (causal && strcmp(argv[6], "icausal") == 0) || window >= 0;
     std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) D*Skv*Nkv);
     for (auto & x : q) x = u(gen); for (auto & x : k) x = u(gen); for (auto & x : v) x = u(gen);
@@ -119,6 +121,10 @@ int main(int argc, char ** argv) {
     if (causal) {
         m.resize((size_t) S*Skv);
         for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) m[(size_t) i*Skv + j] = __float2half(j <= i + (Skv - S) ? 0.0f : -INFINITY);
+    }
+    if (window >= 0) {
+        m.resize((size_t) S*Skv);
+        for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) m[(size_t) i*Skv + j] = __float2half(abs(i + (Skv - S) - j) <= window ? 0.0f : -INFINITY);
     }
     if (bias) {
         m.resize((size_t) S*Skv);
@@ -136,7 +142,7 @@ int main(int argc, char ** argv) {
     p.q_nb1 = D; p.q_nb2 = (int64_t) D*S; p.q_nb3 = (int64_t) D*S*Nh;
     p.k_nb1 = D; p.k_nb2 = (int64_t) D*Skv; p.k_nb3 = (int64_t) D*Skv*Nkv;
     p.v_nb1 = D; p.v_nb2 = p.k_nb2; p.v_nb3 = p.k_nb3;
-    if (causal || bias) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
+    if (!m.empty()) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
     p.m_ne3 = 1; p.window = -1;
     p.D = D; p.Dv = D; p.S = S; p.Skv = Skv; p.Nh = Nh; p.Nkv = Nkv; p.B = 1; p.gqa = Nh/Nkv; p.scale = 1.0f/sqrtf((float) D);
     p.vec_q = p.vec_k = p.vec_v = D % 4 == 0;
@@ -145,7 +151,7 @@ int main(int argc, char ** argv) {
 
     const half * stored = p.mask;
     auto as_ref  = [&]() { p.mask = stored; p.causal = false; p.window = -1; };
-    auto as_test = [&]() { if (implicit) { p.mask = nullptr; p.causal = true; } };
+    auto as_test = [&]() { if (implicit) { p.mask = nullptr; p.causal = causal; p.window = window; } };
     as_ref();
     auto run_read = [&](auto launch, std::vector<float> & O, std::vector<float> & L) {
         CK(cudaMemset(p.O, 0xFF, nO*sizeof(float))); CK(cudaMemset(p.LSE, 0xFF, nL*sizeof(float)));
@@ -156,16 +162,20 @@ int main(int argc, char ** argv) {
     };
     auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; launch_k(fa_train_fwd_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 0).total*sizeof(float), p); };
     auto v1 = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_fwd_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 0).total*sizeof(float), p); };
-    auto v2 = [&]() { fa_train_fwd_tf32_reg_launch(fa_reg_get_shape(D, D), p, 0); CK(cudaGetLastError()); };
+    const int Dreg = fa_reg_get_d(D, D);
+    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, p, 0); CK(cudaGetLastError()); };
 
     std::vector<float> Or, Lr, O1, L1, O2, L2;
     run_read(f32, Or, Lr);
     as_test();
     run_read(v1, O1, L1);
-    const bool have_v2 = fa_reg_get_shape(D, D).D != 0;
+    const bool have_v2 = Dreg != 0;
     if (have_v2) run_read(v2, O2, L2);
-    const double flops = 2.0*(2.0*D)*Nh*(causal ? (double) S*Skv - (double) S*(S - 1)/2 : (double) S*Skv);
-    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, bias ? "bias+NaN keys" : causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
+    double visible = 0;
+    for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) visible += m.empty() || !std::isinf(__half2float(m[(size_t) i*Skv + j]));
+    const double flops = 2.0*(2.0*D)*Nh*visible;
+    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, bias ? "bias+NaN keys" : window >= 0 ? "window (TF32 implicit)" :
+           causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
     as_ref();
     const float tf = time_ms(f32);
     as_test();
@@ -210,9 +220,14 @@ int main(int argc, char ** argv) {
     auto dkv_f32 = [&]() { const int BC = FA_TRAIN_BC; launch_k(fa_train_bwd_dkv_f32, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 2).total*sizeof(float), p); };
     auto dq_v1   = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dq_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 1).total*sizeof(float), p); };
     auto dkv_v1  = [&]() { const int N = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dkv_tf32, dim3((Skv + N - 1)/N, Nkv, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 2).total*sizeof(float), p); };
-    const fa_reg_shape rs = fa_reg_get_shape(D, D);
-    auto dq_reg  = [&]() { fa_train_bwd_dq_tf32_reg_launch(rs, p, 0); };
-    auto dkv_reg = [&]() { fa_train_bwd_dkv_tf32_reg_launch(rs, p, 0); };
+    auto dq_reg  = [&]() {
+        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64>(p, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128>(p, 0); break;
+                        default: fa_train_bwd_dq_tf32_reg_launch<256>(p, 0); }
+    };
+    auto dkv_reg = [&]() {
+        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64>(p, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128>(p, 0); break;
+                        default: fa_train_bwd_dkv_tf32_reg_launch<256>(p, 0); }
+    };
     std::vector<float> gr[3], g1[3], g2[3];
     as_ref();
     grads(dq_f32, dkv_f32, gr);
@@ -230,11 +245,10 @@ int main(int argc, char ** argv) {
                worst_rel_d(g1[0], ref.dQ), worst_rel_d(g1[1], ref.dK), worst_rel_d(g1[2], ref.dV));
     }
     if (have_v2) {
-        const bool kv_reg = fa_reg_dkv_smem(rs) != 0;
-        grads(dq_reg, [&]() { if (kv_reg) dkv_reg(); else dkv_v1(); }, g2);
-        const float tdq2 = time_ms(dq_reg), tkv2 = kv_reg ? time_ms(dkv_reg) : tkv1;
-        printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms%s  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
-               kv_reg ? "" : " (v1)", bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
+        grads(dq_reg, dkv_reg, g2);
+        const float tdq2 = time_ms(dq_reg), tkv2 = time_ms(dkv_reg);
+        printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
+               bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
                (tdq1 + tkv1)/(tdq2 + tkv2));
         if (bias) {
             printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
