@@ -143,7 +143,7 @@ int main(int argc, char ** argv) {
     p.k_nb1 = D; p.k_nb2 = (int64_t) D*Skv; p.k_nb3 = (int64_t) D*Skv*Nkv;
     p.v_nb1 = D; p.v_nb2 = p.k_nb2; p.v_nb3 = p.k_nb3;
     if (!m.empty()) { half * dm; CK(cudaMalloc(&dm, m.size()*sizeof(half))); CK(cudaMemcpy(dm, m.data(), m.size()*sizeof(half), cudaMemcpyHostToDevice)); p.mask = dm; p.m_nb1 = Skv; p.m_nb3 = (int64_t) S*Skv; }
-    p.m_ne3 = 1; p.window = -1;
+    p.m_ne3 = 1; p.window = -1; p.kv_split = 1;
     p.D = D; p.Dv = D; p.S = S; p.Skv = Skv; p.Nh = Nh; p.Nkv = Nkv; p.B = 1; p.gqa = Nh/Nkv; p.scale = 1.0f/sqrtf((float) D);
     p.vec_q = p.vec_k = p.vec_v = D % 4 == 0;
     const size_t nO = (size_t) D*Nh*S, nL = (size_t) Nh*S;
@@ -163,7 +163,7 @@ int main(int argc, char ** argv) {
     auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; launch_k(fa_train_fwd_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 0).total*sizeof(float), p); };
     auto v1 = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_fwd_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 0).total*sizeof(float), p); };
     const int Dreg = fa_reg_get_d(D, D);
-    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, p, 0); CK(cudaGetLastError()); };
+    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, p, nullptr, 0); CK(cudaGetLastError()); };
 
     std::vector<float> Or, Lr, O1, L1, O2, L2;
     run_read(f32, Or, Lr);
@@ -224,9 +224,13 @@ int main(int argc, char ** argv) {
         switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64>(p, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128>(p, 0); break;
                         default: fa_train_bwd_dq_tf32_reg_launch<256>(p, 0); }
     };
-    auto dkv_reg = [&]() {
-        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64>(p, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128>(p, 0); break;
-                        default: fa_train_bwd_dkv_tf32_reg_launch<256>(p, 0); }
+    int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+    const int split = fa_dkv_split(p, nsm);
+    float * scratch; CK(cudaMalloc(&scratch, 2*(size_t) split*nK*sizeof(float)));
+    auto dkv_reg = [&]() { // split as the backend does it
+        fa_train_params ps = p; ps.kv_split = split;
+        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128>(ps, scratch, 0); break;
+                        default: fa_train_bwd_dkv_tf32_reg_launch<256>(ps, scratch, 0); }
     };
     std::vector<float> gr[3], g1[3], g2[3];
     as_ref();
@@ -247,8 +251,8 @@ int main(int argc, char ** argv) {
     if (have_v2) {
         grads(dq_reg, dkv_reg, g2);
         const float tdq2 = time_ms(dq_reg), tkv2 = time_ms(dkv_reg);
-        printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
-               bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
+        printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms (split %d)  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
+               split, bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
                (tdq1 + tkv1)/(tdq2 + tkv2));
         if (bias) {
             printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
