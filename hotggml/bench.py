@@ -17,6 +17,7 @@ import numpy as np
 from hotggml.cases import Case
 from hotggml.graph import Backend, Graph
 from hotggml.parity import build_chain, build_fused
+from hotggml.errors import InputError
 
 DIT_FULL = Case("dit-self-full", Nh=16, Nkv=8, D=128, S=625, Skv=625)
 MEMORY_S = (625, 1250, 3000)
@@ -105,7 +106,7 @@ def time_pair(case: Case, device: str = "CPU", threads: int | None = None, runs:
     if threads is None and device.upper() == "CPU":
         threads = os.cpu_count() or 1
     if runs < 3:
-        raise ValueError("runs must be >= 3 (medians of fewer are not worth quoting)")
+        raise InputError("runs must be >= 3 (medians of fewer are not worth quoting)")
     with Backend(device, n_threads=threads) as be, Graph(be) as gf, Graph(be) as gc:
         build_fused(gf, case)
         build_chain(gc, case)

@@ -140,8 +140,12 @@ def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmak
     with open(log, "a") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                text=True, errors="replace")
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    text=True, errors="replace")
+        except FileNotFoundError:
+            raise BuildError(f"{cmd[0]} is not on PATH: install it (pip install {cmd[0]}, or your system's "
+                             f"package), then run the build again") from None
         if bdir is not None:
             (bdir / _PGID_FILE).write_text(f"{proc.pid}\n")
         try:

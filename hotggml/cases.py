@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from hotggml.errors import InputError
 
 MASKS = ("none", "causal", "band", "padding", "bias")
 
@@ -62,15 +63,15 @@ class Case:
 
     def __post_init__(self):
         if self.mask not in MASKS:
-            raise ValueError(f"case {self.name}: mask must be one of {MASKS}, got {self.mask!r}")
+            raise InputError(f"case {self.name}: mask must be one of {MASKS}, got {self.mask!r}")
         if self.Nh % self.Nkv:
-            raise ValueError(f"case {self.name}: Nh % Nkv != 0")
+            raise InputError(f"case {self.name}: Nh % Nkv != 0")
         if any(r >= self.S for r in self.masked_rows):
-            raise ValueError(f"case {self.name}: masked row beyond S")
+            raise InputError(f"case {self.name}: masked row beyond S")
         if any(j >= self.Skv for j in self.masked_keys):
-            raise ValueError(f"case {self.name}: masked key beyond Skv")
+            raise InputError(f"case {self.name}: masked key beyond Skv")
         if self.window is not None and self.window < 0:
-            raise ValueError(f"case {self.name}: window must be >= 0 or None")
+            raise InputError(f"case {self.name}: window must be >= 0 or None")
 
     @property
     def id(self) -> str:
@@ -250,6 +251,6 @@ def select(set_names: list[str], pattern: str | None = None) -> list[Case]:
     out = []
     for name in set_names:
         if name not in SETS:
-            raise ValueError(f"unknown case set {name!r}: choose from {sorted(SETS)}")
+            raise InputError(f"unknown case set {name!r}: choose from {sorted(SETS)}")
         out += [c for c in SETS[name] if pattern is None or re.search(pattern, c.id)]
     return out

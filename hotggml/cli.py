@@ -33,34 +33,89 @@ COMMANDS: dict[str, str] = {
 NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor"}
 
 
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check); 2 a usage or
+input error, or a step that could not run (the message says which); 130 interrupted (Ctrl-C)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the exit code (0 ok, 1 check failed/stale, 2 error)."""
+    """Run the CLI; return the exit code (EPILOG): errors are one line on stderr, never a traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2, its message printed)
+        return int(exc.code or 0)
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_ERROR
     try:
         if args.command in NEEDS_CHECKOUT:
             from hotggml import paths
 
             paths.require_checkout(args.command)
         return int(args.func(args) or 0)
-    except (HotggmlError, ValueError) as exc:  # ValueError: bad input caught in Python before any C call
+    except HotggmlError as exc:
         print(f"hotggml: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except OSError as exc:  # a file the command reads or writes (a --json path, a log): say which, no traceback
+        print(f"hotggml: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="hotggml", description="pinned ggml + patch series tooling")
+    parser = argparse.ArgumentParser(prog="hotggml", description="pinned ggml + patch series tooling", epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    # every subcommand's --help shows its defaults
+    subparsers.add_parser = _with_defaults_shown(subparsers.add_parser)
     for target in COMMANDS.values():
         _load(target)(subparsers)
     return parser
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that ends each option with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _with_defaults_shown(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    def add(name: str, **kwargs) -> argparse.ArgumentParser:
+        kwargs.setdefault("formatter_class", _DefaultsShown)
+        kwargs.setdefault("epilog", EPILOG)
+        return add_parser(name, **kwargs)
+    return add
+
+
+def version_line() -> str:
+    """'hotggml X (ggml TAG upstream COMMIT, series HASH)': the package version (hotggml.__version__, which
+    pyproject.toml reads), the pin, and the series of this checkout (or of the installed build's record)."""
+    from hotggml import __version__, paths, pin
+
+    series = "unknown"
+    try:
+        if paths.is_checkout():
+            from hotggml import patches
+
+            series = patches.series_hash()[:12]
+        else:
+            import json
+
+            from hotggml.ffi import find_lib_dir
+
+            series = json.loads((find_lib_dir() / "hotggml-build.json").read_text())["series_hash"][:12]
+    except (HotggmlError, OSError, KeyError, ValueError):
+        pass
+    return f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, series {series})"
 
 
 def _load(target: str) -> Callable[[argparse._SubParsersAction], None]:
@@ -238,14 +293,16 @@ def _threads(text: str) -> list[int]:
 def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
     parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
-    parser.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
+    parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "limits", "field"),
                         help="case set (repeatable; default smoke; field holds the long-context chunk)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
-    parser.add_argument("--prec", choices=("default", "f32"), default="f32")
+    parser.add_argument("--prec", choices=("default", "f32"), default="f32",
+                        help="the fused nodes' precision: f32 (the 1e-4 bar) or default (TF32 on CUDA sm_80+)")
     parser.add_argument("--no-chain", action="store_true", help="skip the exact-chain arm")
-    parser.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    parser.add_argument("--json", metavar="PATH", type=_json_path, help="also write the records as JSON")
+    parser.add_argument("-l", "--list", action="store_true", help="list the selected cases and exit")
     parser.set_defaults(func=_run_parity)
 
 
@@ -257,6 +314,38 @@ def _regex(text: str) -> str:
     except re.error as exc:
         raise argparse.ArgumentTypeError(f"bad regex {text!r}: {exc}") from None
     return text
+
+
+def _json_path(text: str) -> str:
+    """A file the command will write at its end: refused now if it cannot be (a folder, or no such folder),
+    so a finished run is never lost to the write."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder {path.resolve().parent}")
+    return text
+
+
+def _select_cases(sets: list[str], pattern: str | None) -> list:
+    """The cases of sets whose id matches pattern; InputError naming the sets and listing the ids when
+    none does (a run that selects nothing must not look like a pass)."""
+    from hotggml import cases
+    from hotggml.errors import InputError
+
+    selected = cases.select(sets, pattern)
+    if not selected:
+        ids = ", ".join(c.id for c in cases.select(sets, None))
+        raise InputError(f"no case of {'+'.join(sets)} matches -p {pattern!r}; the ids are: {ids}")
+    return selected
+
+
+def _print_cases(selected: list) -> int:
+    for case in selected:
+        print(f"{case.id:<28} {case.shape}")
+    return EXIT_OK
 
 
 def _runs(text: str) -> int:
@@ -274,15 +363,11 @@ def resolve_device(backend: str) -> str:
 def _run_parity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hotggml import cases, parity
+    from hotggml import parity
 
-    selected = cases.select(args.sets or ["smoke"], args.pattern)
-    if not selected:
-        print(f"hotggml: error: no case of {args.sets or ['smoke']} matches {args.pattern!r}", file=sys.stderr)
-        return 2
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        print(f"hotggml: error: --json {args.json}: no such folder", file=sys.stderr)
-        return 2
+    selected = _select_cases(args.sets or ["smoke"], args.pattern)
+    if args.list:
+        return _print_cases(selected)
     device = resolve_device(args.backend)
     results = []
     for case in selected:
@@ -301,7 +386,7 @@ def _run_parity(args: argparse.Namespace) -> int:
 def add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `memory [--backend NAME] [--case ID] [--seq 625,1250,3000] [--no-chain]`."""
     parser = subparsers.add_parser("memory", help="allocator arena bytes, fused vs exact chain (reserve only)")
-    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--case", default=None, help="a geometry from the field set (default: DiT full attention); "
                                                      "S varies, Skv keeps the case's context Skv - S")
     parser.add_argument("--seq", type=_threads, default=None, help="query lengths S")
@@ -329,7 +414,7 @@ def _run_memory(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `bench [--backend NAME] [--case ID | --set field [-p REGEX]] [--runs N] [--json PATH] [--profile]`."""
     parser = subparsers.add_parser("bench", help="paired interleaved fwd+bwd timing, fused vs exact chain")
-    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--case", default="dit-self-full-1250", help="a case id from the smoke/real sets")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field"),
                         help="the table over a case set: TF32 and f32 fused vs chain, TFLOP/s, arenas")
@@ -337,7 +422,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-f32", action="store_true", help="table without the f32 path's time")
     parser.add_argument("--no-chain", action="store_true", help="table without the exact chain")
     parser.add_argument("--profile", action="store_true", help="also time every node (per op, each arm)")
-    parser.add_argument("--json", metavar="PATH", help="also write the table's rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=_json_path, help="also write the table's rows as JSON")
+    parser.add_argument("-l", "--list", action="store_true", help="list the selected cases (with --set) and exit")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
     parser.set_defaults(func=_run_bench)
@@ -348,6 +434,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.sets:
         return _run_bench_table(args)
+    if args.list:
+        return _print_cases([c for c in cases.SMOKE + cases.REAL + cases.FIELD])
     found = [c for c in cases.SMOKE + cases.REAL + cases.FIELD if c.id == args.case]
     if not found:
         known = ", ".join(dict.fromkeys(c.id for c in cases.SMOKE + cases.REAL + cases.FIELD))
@@ -363,15 +451,11 @@ def _run_bench_table(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from hotggml import bench, cases
+    from hotggml import bench
 
-    selected = cases.select(args.sets, args.pattern)
-    if not selected:
-        print(f"hotggml: error: no case of {args.sets} matches {args.pattern!r}", file=sys.stderr)
-        return 2
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        print(f"hotggml: error: --json {args.json}: no such folder", file=sys.stderr)
-        return 2
+    selected = _select_cases(args.sets, args.pattern)
+    if args.list:
+        return _print_cases(selected)
     device = resolve_device(args.backend)
     ceiling = bench.tf32_ceiling(device)
     rows = []
@@ -395,23 +479,27 @@ def _run_bench_table(args: argparse.Namespace) -> int:
 def add_probe_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `probe --backend NAME [--set field] [-p REGEX] [--prec default|f32]`."""
     parser = subparsers.add_parser("probe", help="does the device's supports_op take the fused nodes at real shapes")
-    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field", "limits"),
                         help="case set (repeatable; default field: every SPEC §7 geometry)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
-    parser.add_argument("--prec", choices=("default", "f32"), default="default")
+    parser.add_argument("--prec", choices=("default", "f32"), default="default",
+                        help="the fused nodes' precision the probe asks supports_op about")
+    parser.add_argument("-l", "--list", action="store_true", help="list the selected cases and exit")
     parser.set_defaults(func=_run_probe)
 
 
 def _run_probe(args: argparse.Namespace) -> int:
-    from hotggml import cases
     from hotggml.errors import UnsupportedOpError
     from hotggml.graph import Backend
     from hotggml.probe import probe
 
+    selected = _select_cases(args.sets or ["field"], args.pattern)
+    if args.list:
+        return _print_cases(selected)
     refused = 0
     with Backend(resolve_device(args.backend)) as be:
-        for case in cases.select(args.sets or ["field"], args.pattern):
+        for case in selected:
             try:
                 probe(case, be, args.prec)
                 print(f"supported   {case.id:<24} {case.shape}")

@@ -31,3 +31,19 @@ class UnsupportedOpError(BackendError):
 
 class CheckoutError(HotggmlError):
     """A command that works on the repository's files (patches/, vendor/ggml) ran from an installed package."""
+
+
+class InputError(HotggmlError, ValueError):
+    """An argument's value cannot be accepted (shape, range, size); checked before any C call."""
+
+
+class InputTypeError(HotggmlError, TypeError):
+    """An argument has the wrong type or dtype (a Tensor of another Graph, float64 where f32 is needed)."""
+
+
+class UsageError(HotggmlError, RuntimeError):
+    """A call made in the wrong state: on a closed Graph or Backend, before build() or compute(), twice."""
+
+
+class OutOfMemoryError(HotggmlError, MemoryError):
+    """A context, buffer or graph allocation failed on a backend."""

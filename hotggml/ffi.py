@@ -61,6 +61,7 @@ struct ggml_tensor {
 struct ggml_context * ggml_init(struct ggml_init_params params);
 void   ggml_free(struct ggml_context * ctx);
 size_t ggml_tensor_overhead(void);
+size_t ggml_used_mem(const struct ggml_context * ctx);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
 size_t ggml_nbytes(const struct ggml_tensor * tensor);
 int64_t ggml_nelements(const struct ggml_tensor * tensor);

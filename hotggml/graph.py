@@ -14,10 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hotggml.errors import BackendError
+from hotggml.errors import BackendError, InputError, InputTypeError, OutOfMemoryError, UsageError
 from hotggml.ffi import ffi, load
 
 GGML_MAX_DIMS = 4
+GGML_MAX_N_THREADS = 512  # ggml.h: a CPU thread pool holds at most this many threads
+MAX_TENSOR_BYTES = 1 << 48  # a tensor larger than this is a mistake (and near size_t overflow in ggml's sizes)
+TENSORS_PER_CALL = 8  # the most tensor objects one binding call creates (an op and its views)
+BACKWARD_GROWTH = 8  # nodes ggml_build_backward_expand may add per forward node (tests/test_binding_safety.py
+                     # measures it over every op the binding builds)
 FLAG_INPUT, FLAG_OUTPUT, FLAG_PARAM = 1, 2, 4  # enum ggml_tensor_flag
 _GGML_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 _NP_TYPES = {v: k for k, v in _GGML_TYPES.items()}
@@ -42,6 +47,13 @@ class Backend:
     """
 
     def __init__(self, device_name: str, n_threads: int | None = None):
+        if not isinstance(device_name, str):
+            raise InputTypeError(f"device_name must be a str (CPU, CUDA0, ..), got {type(device_name).__name__}")
+        if n_threads is not None:
+            if not isinstance(n_threads, int) or isinstance(n_threads, bool):
+                raise InputTypeError(f"n_threads must be an int, got {type(n_threads).__name__}")
+            if not 1 <= n_threads <= GGML_MAX_N_THREADS:
+                raise InputError(f"n_threads must be in [1, {GGML_MAX_N_THREADS}], got {n_threads}")
         lib = load()
         dev = lib.ggml_backend_dev_by_name(device_name.encode())
         if dev == ffi.NULL:
@@ -59,9 +71,7 @@ class Backend:
         self._finalizer = weakref.finalize(self, lib.ggml_backend_free, self._ptr)
         if n_threads is not None:
             if self.device_name != "CPU":
-                raise ValueError("n_threads applies to the CPU backend only")
-            if n_threads < 1:
-                raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+                raise InputError("n_threads applies to the CPU backend only")
             lib.ggml_backend_cpu_set_n_threads(self._ptr, n_threads)
         self.n_threads = n_threads
 
@@ -96,7 +106,7 @@ class Backend:
     def need_open(self) -> None:
         """RuntimeError when the backend was closed (its C object is freed)."""
         if self._ptr is None:
-            raise RuntimeError(f"backend {self.device_name} is closed")
+            raise UsageError(f"backend {self.device_name} is closed")
 
     def __enter__(self):
         return self
@@ -140,7 +150,7 @@ class Tensor:
     def ptr(self):
         """The C struct; RuntimeError once the Graph is closed."""
         if self.graph.ctx is None:
-            raise RuntimeError("this tensor's Graph is closed: its tensors are freed")
+            raise UsageError("this tensor's Graph is closed: its tensors are freed")
         return self.raw
 
     @property
@@ -172,7 +182,7 @@ class Tensor:
 def ggml_shape(array_shape: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy shape (slowest first) -> ggml ne (fastest first), padded with 1 to four dims."""
     if len(array_shape) > GGML_MAX_DIMS:
-        raise ValueError(f"ggml tensors have at most {GGML_MAX_DIMS} dims, got shape {array_shape}")
+        raise InputError(f"ggml tensors have at most {GGML_MAX_DIMS} dims, got shape {array_shape}")
     ne = tuple(reversed(array_shape))
     return ne + (1,) * (GGML_MAX_DIMS - len(ne))
 
@@ -190,12 +200,16 @@ class Graph:
     """
 
     MAX_INPUTS = 4096  # leaves (inputs, params, loss weights) one graph may hold
+    MAX_NODES_LIMIT = 1 << 20
 
     def __init__(self, backend: Backend, max_nodes: int = 16384, scheduled: bool = False):
-        if not isinstance(max_nodes, int) or max_nodes < 16:
-            raise ValueError(f"max_nodes must be an int >= 16, got {max_nodes!r}")
+        """max_nodes: the graph's capacity, forward and backward nodes together (and leafs). build() counts
+        the forward before ggml sees it and, with a loss, refuses a forward of more than
+        max_nodes / (1 + BACKWARD_GROWTH) nodes: ggml aborts the process when a graph overflows."""
+        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 16 <= max_nodes <= self.MAX_NODES_LIMIT:
+            raise InputError(f"max_nodes must be an int in [16, {self.MAX_NODES_LIMIT}], got {max_nodes!r}")
         if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a hotggml Backend, got {type(backend).__name__}")
+            raise InputTypeError(f"backend must be a hotggml Backend, got {type(backend).__name__}")
         backend.need_open()
         self.lib = load()
         self.backend = backend
@@ -208,11 +222,12 @@ class Graph:
             # ggml asserts nodes + leafs <= the scheduler's hash size; each is bounded by max_nodes
             self._sched = Scheduler(backend, graph_size=2 * max_nodes)
         mem = self.lib.ggml_tensor_overhead() * max_nodes * 3 + self.lib.ggml_graph_overhead_custom(max_nodes, True)
+        self._mem = mem
         self.ctx = self._native.ctx = self.lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": True})
         self.ctx_in = self._native.ctx_in = self.lib.ggml_init(
             {"mem_size": self.lib.ggml_tensor_overhead() * self.MAX_INPUTS, "mem_buffer": ffi.NULL, "no_alloc": True})
         if self.ctx == ffi.NULL or self.ctx_in == ffi.NULL:
-            raise MemoryError("ggml_init failed")
+            raise OutOfMemoryError("ggml_init failed")
         self.gf = None
         self._uploads: list[tuple[Tensor, np.ndarray]] = []
         self._loss: Tensor | None = None
@@ -223,12 +238,15 @@ class Graph:
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
         """An uninitialised tensor of shape ne (ggml order); dtype float32 or float16."""
         if self.ctx is None:
-            raise RuntimeError("this Graph is closed")
+            raise UsageError("this Graph is closed")
         dtype = np.dtype(dtype)
         if dtype not in _GGML_TYPES:
-            raise TypeError(f"unsupported dtype {dtype}: use float32 or float16")
-        if not 1 <= len(ne) <= GGML_MAX_DIMS or any(int(n) < 1 for n in ne):
-            raise ValueError(f"bad shape {ne}: 1 to 4 positive dims in ggml order")
+            raise InputTypeError(f"unsupported dtype {dtype}: use float32 or float16")
+        if not 1 <= len(ne) <= GGML_MAX_DIMS or any(not isinstance(n, (int, np.integer)) or int(n) < 1 for n in ne):
+            raise InputError(f"bad shape {ne}: 1 to 4 positive int dims in ggml order")
+        if int(np.prod([int(n) for n in ne], dtype=object)) * dtype.itemsize > MAX_TENSOR_BYTES:
+            raise InputError(f"shape {ne} of {dtype} is over {MAX_TENSOR_BYTES} bytes")
+        self._room(_ctx or self.ctx)
         ne_c = ffi.new("int64_t[4]", [int(n) for n in ne] + [1] * (GGML_MAX_DIMS - len(ne)))
         ptr = self.lib.ggml_new_tensor(_ctx or self.ctx, _GGML_TYPES[dtype], GGML_MAX_DIMS, ne_c)
         if name:
@@ -238,15 +256,15 @@ class Graph:
     def input(self, array: np.ndarray, name: str | None = None, dtype=None) -> Tensor:
         """A leaf holding ``array`` (uploaded at compute time); NumPy shape (.., slowest) -> ggml reversed."""
         if self.ctx is None:
-            raise RuntimeError("this Graph is closed")
+            raise UsageError("this Graph is closed")
         array = np.asarray(array)
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
-            raise TypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
+            raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
         if self.gf is not None:
-            raise RuntimeError("inputs must be created before build()")
+            raise UsageError("inputs must be created before build()")
         if len(self._uploads) >= self.MAX_INPUTS:
-            raise ValueError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
+            raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
         self._uploads.append((t, np.ascontiguousarray(array, dtype=dtype)))
@@ -263,32 +281,42 @@ class Graph:
         return Tensor(self, ptr)
 
     def own(self, *tensors) -> None:
-        """Raise TypeError unless every argument is a Tensor of this (open) Graph.
+        """Raise InputTypeError unless every argument is a Tensor of this (open) Graph, and InputError when
+        the context has no room left for the tensors one more call creates.
 
         A tensor of another graph lives in another context and buffer: ggml would read memory
-        this graph never allocated (garbage), or freed memory.
+        this graph never allocated (garbage), or freed memory. Every op method calls this before C.
         """
         if self.ctx is None:
-            raise RuntimeError("this Graph is closed")
+            raise UsageError("this Graph is closed")
         for t in tensors:
             if not isinstance(t, Tensor):
-                raise TypeError(f"expected a hotggml Tensor, got {type(t).__name__}")
+                raise InputTypeError(f"expected a hotggml Tensor, got {type(t).__name__}")
             if t.graph is not self:
-                raise TypeError("tensor belongs to another Graph")
+                raise InputTypeError("tensor belongs to another Graph")
+        self._room(self.ctx)
+
+    def _room(self, ctx) -> None:
+        """InputError unless ctx can hold TENSORS_PER_CALL more tensor objects (ggml aborts when it cannot)."""
+        need = self.lib.ggml_tensor_overhead() * TENSORS_PER_CALL
+        size = self._mem if ctx == self.ctx else self.lib.ggml_tensor_overhead() * self.MAX_INPUTS
+        if self.lib.ggml_used_mem(ctx) + need > size:
+            raise InputError(f"this Graph's context is full ({self.lib.ggml_used_mem(ctx)} of {size} bytes of tensor "
+                             f"objects): make the Graph with a larger max_nodes (now {self.max_nodes})")
 
     def permute(self, t: Tensor, *axes: int) -> Tensor:
         """ggml_permute: axes[i] is where source dim i goes."""
         self.own(t)
         if sorted(axes) != [0, 1, 2, 3]:
-            raise ValueError(f"permute needs a permutation of 0..3, got {axes}")
+            raise InputError(f"permute needs a permutation of 0..3, got {axes}")
         return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
 
     def reshape(self, t: Tensor, ne: tuple[int, int, int, int]) -> Tensor:
         self.own(t)
         if not t.is_contiguous():
-            raise ValueError("reshape needs a contiguous tensor: cont() it first")
+            raise InputError("reshape needs a contiguous tensor: cont() it first")
         if int(np.prod(ne)) != int(np.prod(t.ne)):
-            raise ValueError(f"reshape {t.ne} -> {ne} changes the element count")
+            raise InputError(f"reshape {t.ne} -> {ne} changes the element count")
         return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *ne))
 
     def cont(self, t: Tensor) -> Tensor:
@@ -298,30 +326,43 @@ class Graph:
     def repeat(self, t: Tensor, like: Tensor) -> Tensor:
         self.own(t, like)
         if any(b % a for a, b in zip(t.ne, like.ne)):
-            raise ValueError(f"repeat {t.ne} -> {like.ne}: target dims must be multiples")
+            raise InputError(f"repeat {t.ne} -> {like.ne}: target dims must be multiples")
         return self._wrap(self.lib.ggml_repeat(self.ctx, t.ptr, like.ptr))
 
     def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
         """ggml_mul_mat(a, b) = b a^T per matrix: [K, M] x [K, N] -> [M, N]."""
         self.own(a, b)
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
-            raise ValueError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
+            raise InputError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
+        if a.nb[0] > a.nb[1]:
+            raise InputError(f"mul_mat: a (nb {a.nb}) is transposed: cont() it first")
         return self._wrap(self.lib.ggml_mul_mat(self.ctx, a.ptr, b.ptr))
 
     def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        """ggml_soft_max_ext(a, mask, scale, 0): softmax over ne0 of a*scale + mask; a contiguous, the mask f16
+        or f32, contiguous, [ne0 = a's, ne1 >= a's, dims 2-3 dividing a's]."""
         self.own(a, *([mask] if mask is not None else []))
+        if not a.is_contiguous():
+            raise InputError("soft_max_ext needs a contiguous a: cont() it first")
+        if not np.isfinite(scale):
+            raise InputError(f"soft_max_ext scale must be finite, got {scale}")
+        if mask is not None:
+            if mask.dtype not in (np.float16, np.float32) or not mask.is_contiguous():
+                raise InputError(f"soft_max_ext mask must be contiguous f16 or f32, got {mask.dtype}")
+            if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
+                raise InputError(f"soft_max_ext mask {mask.ne} does not fit a {a.ne}")
         return self._wrap(self.lib.ggml_soft_max_ext(self.ctx, a.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         self.own(a, b)
         if a.ne != b.ne:
-            raise ValueError(f"mul shapes differ: {a.ne} vs {b.ne}")
+            raise InputError(f"mul shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_mul(self.ctx, a.ptr, b.ptr))
 
     def add(self, a: Tensor, b: Tensor) -> Tensor:
         self.own(a, b)
         if a.ne != b.ne:
-            raise ValueError(f"add shapes differ: {a.ne} vs {b.ne}")
+            raise InputError(f"add shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_add(self.ctx, a.ptr, b.ptr))
 
     def sum(self, a: Tensor) -> Tensor:
@@ -334,7 +375,7 @@ class Graph:
         for t, w in outputs:
             w = np.asarray(w, dtype=np.float32)
             if ggml_shape(w.shape) != t.ne:
-                raise ValueError(f"loss weight shape {w.shape} does not match tensor {t.ne}")
+                raise InputError(f"loss weight shape {w.shape} does not match tensor {t.ne}")
             term = self.sum(self.mul(self.cont(t) if not t.is_contiguous() else t, self.input(w, "loss weight")))
             loss = term if loss is None else self.add(loss, term)
         return loss
@@ -343,15 +384,23 @@ class Graph:
     def build(self, outputs: list[Tensor], loss: Tensor | None = None) -> None:
         """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
         if self.gf is not None:
-            raise RuntimeError("build() was already called on this Graph")
+            raise UsageError("build() was already called on this Graph")
         self.own(*outputs, *([loss] if loss is not None else []))
         if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
-            if loss.ne != (1, 1, 1, 1):
-                raise ValueError(f"loss must be a scalar, got {loss.ne}")
+            if loss.ne != (1, 1, 1, 1) or loss.dtype != np.float32:
+                raise InputError(f"loss must be an f32 scalar, got {loss.dtype} {loss.ne}")
             if not any(int(t.ptr.flags) & FLAG_PARAM for t, _ in self._uploads):
                 # ggml_build_backward_expand asserts (and kills the interpreter) when nothing is a parameter
-                raise ValueError("build() with a loss needs at least one param() to differentiate: "
+                raise InputError("build() with a loss needs at least one param() to differentiate: "
                                  "declare the leaves that need gradients with Graph.param")
+        roots = [*outputs, *([loss] if loss is not None else [])]
+        n_nodes, n_leafs = self._count_forward(roots)
+        room = self.max_nodes // (1 + BACKWARD_GROWTH) if loss is not None else self.max_nodes
+        if n_nodes > room or n_leafs > self.max_nodes:
+            need = n_nodes * (1 + BACKWARD_GROWTH if loss is not None else 1)
+            raise InputError(f"the graph has {n_nodes} nodes and {n_leafs} leafs; max_nodes = {self.max_nodes} holds "
+                             f"{room} forward nodes{' with their backward' if loss is not None else ''}: make the "
+                             f"Graph with max_nodes >= {max(need, n_leafs)}")
         self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
         for t in outputs:
             self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)
@@ -372,8 +421,27 @@ class Graph:
         self.backend.need_open()
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
         if buf == ffi.NULL and self._uploads:
-            raise MemoryError("input buffer allocation failed on " + self.backend.device_name)
+            raise OutOfMemoryError("input buffer allocation failed on " + self.backend.device_name)
         self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free) if buf != ffi.NULL else None
+    def _count_forward(self, roots: list[Tensor]) -> tuple[int, int]:
+        """The nodes and leafs ggml_build_forward_expand would put in a graph for roots, counted in Python
+        (ggml_visit_parents' rule: a tensor with no op that is not a parameter is a leaf)."""
+        seen: set[int] = set()
+        stack = [t.ptr for t in roots]
+        nodes = leafs = 0
+        while stack:
+            ptr = stack.pop()
+            key = int(ffi.cast("uintptr_t", ptr))
+            if key in seen:
+                continue
+            seen.add(key)
+            if int(ptr.op) == 0 and not int(ptr.flags) & FLAG_PARAM:
+                leafs += 1
+            else:
+                nodes += 1
+            stack.extend(src for src in ptr.src if src != ffi.NULL)
+        return nodes, leafs
+
     def find_nodes(self, op: int) -> list[Tensor]:
         """Graph nodes whose op is ``op`` (an enum ggml_op value)."""
         return [t for t in self.nodes() if t.op == op]
@@ -384,9 +452,9 @@ class Graph:
 
     def _need_graph(self) -> None:
         if self.ctx is None:
-            raise RuntimeError("this Graph is closed")
+            raise UsageError("this Graph is closed")
         if self.gf is None:
-            raise RuntimeError("call build() first")
+            raise UsageError("call build() first")
 
     def _new_allocator(self):
         self.backend.need_open()
@@ -408,7 +476,7 @@ class Graph:
     # -- scheduler (scheduled=True) ----------------------------------------------------------
     def _need_sched(self):
         if self._sched is None:
-            raise RuntimeError("this Graph was not made with scheduled=True")
+            raise UsageError("this Graph was not made with scheduled=True")
         return self._sched
 
     def assign(self, t: Tensor, device_name: str) -> None:
@@ -432,20 +500,20 @@ class Graph:
         """
         sched = self._need_sched()
         if not self._placed:
-            raise RuntimeError("call plan() or compute() before placement()")
+            raise UsageError("call plan() or compute() before placement()")
         return [(t, sched.device_of(t.ptr) or "unplaced") for t in self.nodes()]
 
     @property
     def n_splits(self) -> int:
         """Splits ggml made of the graph (1 when every node runs on one backend)."""
         if not self._placed:
-            raise RuntimeError("call plan() or compute() before n_splits")
+            raise UsageError("call plan() or compute() before n_splits")
         return self._need_sched().n_splits
 
     def _allocate(self) -> None:
         if self._sched is not None:
             if not self._sched.alloc(self.gf):
-                raise MemoryError("graph allocation failed in the scheduler over "
+                raise OutOfMemoryError("graph allocation failed in the scheduler over "
                                   + ", ".join(b.device_name for b in self._sched.backends))
             self._placed = True
             return
@@ -455,7 +523,7 @@ class Graph:
         if self._galloc is None:
             self._galloc = self._new_allocator()
         if not self.lib.ggml_gallocr_alloc_graph(self._galloc, self.gf):
-            raise MemoryError("graph allocation failed on " + self.backend.device_name)
+            raise OutOfMemoryError("graph allocation failed on " + self.backend.device_name)
 
     def _run(self) -> int:
         if self._sched is not None:
@@ -520,14 +588,14 @@ class Graph:
         self._need_graph()
         self.own(t)
         if not self._computed:
-            raise RuntimeError("call compute() before reading tensors")
+            raise UsageError("call compute() before reading tensors")
         keeps = FLAG_INPUT | FLAG_OUTPUT | FLAG_PARAM
         if not (int(t.ptr.flags) & keeps or (t.ptr.view_src != ffi.NULL and int(t.ptr.view_src.flags) & keeps)):
             # the allocator reuses a node's memory once its consumers ran: its bytes are someone else's now
-            raise ValueError(f"{t.op_name} {t.ne} is not an input, a parameter, an output or a gradient of this "
+            raise InputError(f"{t.op_name} {t.ne} is not an input, a parameter, an output or a gradient of this "
                              "graph: its memory was reused; pass it to build() as an output to read it")
         if t.ptr.buffer == ffi.NULL and (t.ptr.view_src == ffi.NULL or t.ptr.view_src.buffer == ffi.NULL):
-            raise ValueError("tensor is not part of the computed graph (no buffer): build() it as an output")
+            raise InputError("tensor is not part of the computed graph (no buffer): build() it as an output")
         ne, nb = t.ne, t.nb
         itemsize = np.dtype(t.dtype).itemsize
         span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))

@@ -13,6 +13,7 @@ import numpy as np
 
 from hotggml.ffi import ffi
 from hotggml.graph import Graph, Tensor
+from hotggml.errors import InputError, InputTypeError
 
 PREC = {"default": 0, "f32": 10}  # enum ggml_prec: GGML_PREC_DEFAULT (TF32 on CUDA sm_80+), GGML_PREC_F32
 PREC_NAME = {v: k for k, v in PREC.items()}
@@ -22,38 +23,38 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None)
     """Raise TypeError/ValueError unless q, k, v, mask satisfy the op contract (SPEC §4)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != np.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
+            raise InputTypeError(f"{name} must be float32, got {t.dtype}")
         if t.nb[0] != 4:
-            raise ValueError(f"{name} rows must be contiguous (nb[0] == 4), got nb {t.nb}")
+            raise InputError(f"{name} rows must be contiguous (nb[0] == 4), got nb {t.nb}")
     D, S, Nh, B = q.ne
     if k.ne[0] != D:
-        raise ValueError(f"k: D = {k.ne[0]} differs from q's D = {D}")
+        raise InputError(f"k: D = {k.ne[0]} differs from q's D = {D}")
     if v.ne[1:3] != k.ne[1:3]:
-        raise ValueError(f"v: [Skv, Nkv] = {v.ne[1:3]} differs from k's {k.ne[1:3]}")
+        raise InputError(f"v: [Skv, Nkv] = {v.ne[1:3]} differs from k's {k.ne[1:3]}")
     if Nh % k.ne[2]:
-        raise ValueError(f"GQA needs Nh % Nkv == 0, got Nh = {Nh}, Nkv = {k.ne[2]}")
+        raise InputError(f"GQA needs Nh % Nkv == 0, got Nh = {Nh}, Nkv = {k.ne[2]}")
     if k.ne[3] != B or v.ne[3] != B:
-        raise ValueError(f"batch differs: q {B}, k {k.ne[3]}, v {v.ne[3]}")
+        raise InputError(f"batch differs: q {B}, k {k.ne[3]}, v {v.ne[3]}")
     if mask is not None:
         if mask.dtype != np.float16:
-            raise TypeError(f"mask must be float16, got {mask.dtype}")
+            raise InputTypeError(f"mask must be float16, got {mask.dtype}")
         if not mask.is_contiguous():
-            raise ValueError("mask must be contiguous")
+            raise InputError("mask must be contiguous")
         Skv = k.ne[1]
         if mask.ne[0] != Skv or mask.ne[1] < S or mask.ne[2] != 1 or mask.ne[3] not in (1, B):
-            raise ValueError(f"mask must be [Skv={Skv}, S'>={S}, 1, 1 or {B}], got {mask.ne}")
+            raise InputError(f"mask must be [Skv={Skv}, S'>={S}, 1, 1 or {B}], got {mask.ne}")
 
 
 def _set_prec(t: Tensor, prec: str) -> None:
     if prec not in PREC:
-        raise ValueError(f"precision must be one of {sorted(PREC)}, got {prec!r}")
+        raise InputError(f"precision must be one of {sorted(PREC)}, got {prec!r}")
     t.graph.lib.ggml_flash_attn_train_set_prec(t.ptr, PREC[prec])
 
 
 def get_prec(t: Tensor) -> str:
     """Requested precision of a flash_attn_train(_back) node: 'default' or 'f32'."""
     if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
-        raise ValueError(f"get_prec needs a flash_attn_train(_back) node, got a {t.op_name} node")
+        raise InputError(f"get_prec needs a flash_attn_train(_back) node, got a {t.op_name} node")
     return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
 
 
@@ -72,16 +73,16 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     g.own(q, k, v, *([mask] if mask is not None else []))
     check_attention_inputs(q, k, v, mask)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+        raise InputTypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+        raise InputError(f"scale must be finite, got {scale}")
     if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
-            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+            raise InputTypeError(f"window must be an int or None, got {type(window).__name__}")
         if not 0 <= window <= WINDOW_MAX:
-            raise ValueError(f"window must be in [0, {WINDOW_MAX}] (or None for no window), got {window}")
+            raise InputError(f"window must be in [0, {WINDOW_MAX}] (or None for no window), got {window}")
     t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
     _set_prec(t, prec)
     if causal or window is not None:
@@ -92,7 +93,7 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
 def get_implicit_mask(t: Tensor) -> tuple[bool, int | None]:
     """(causal, window or None) of a flash_attn_train(_back) node, as its op_params say."""
     if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
-        raise ValueError(f"get_implicit_mask needs a flash_attn_train(_back) node, got a {t.op_name} node")
+        raise InputError(f"get_implicit_mask needs a flash_attn_train(_back) node, got a {t.op_name} node")
     window = int(t.graph.lib.ggml_flash_attn_train_get_window(t.ptr))
     return bool(t.graph.lib.ggml_flash_attn_train_get_causal(t.ptr)), (None if window < 0 else window)
 
@@ -104,13 +105,13 @@ OP_FLASH_ATTN_TRAIN_BACK = 98
 def _need_op(t: Tensor, op: int, what: str) -> None:
     if t.op != op:
         want = "flash_attn_train" if op == OP_FLASH_ATTN_TRAIN else "flash_attn_train_back"
-        raise ValueError(f"{what} must be a {want} node, got a {t.op_name} node")
+        raise InputError(f"{what} must be a {want} node, got a {t.op_name} node")
 
 
 def _view(node: Tensor, op: int, what: str, getter: str) -> Tensor:
     """One of the C view getters of a packed node, after checking the node's op (ggml asserts it)."""
     if not isinstance(node, Tensor):
-        raise TypeError(f"{what} must be a hotggml Tensor, got {type(node).__name__}")
+        raise InputTypeError(f"{what} must be a hotggml Tensor, got {type(node).__name__}")
     _need_op(node, op, what)
     return Tensor(node.graph, getattr(node.graph.lib, getter)(node.graph.ctx, node.ptr))
 
@@ -134,10 +135,10 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
     _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
     if d.dtype != np.float32 or not d.is_contiguous():
-        raise TypeError("d must be contiguous float32")
+        raise InputTypeError("d must be contiguous float32")
     o_ne = (int(v.ne[0]), int(q.ne[2]), int(q.ne[1]), int(q.ne[3]))  # [Dv, Nh, S, B]
     if d.ne != o_ne and d.ne != fwd.ne:
-        raise ValueError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
+        raise InputError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
     return Tensor(g, g.lib.ggml_flash_attn_train_back(g.ctx, q, k, v, mask, fwd.ptr, d.ptr))
 
 

@@ -59,6 +59,8 @@ from numbers import Real
 
 import numpy as np
 
+from hotggml.errors import InputError, InputTypeError
+
 __all__ = ["attention_forward", "attention_backward", "masked_rows"]
 
 
@@ -70,21 +72,21 @@ def _as_float_array(x, name: str, ndim: int, layout: str) -> np.ndarray:
     """Return ``x`` as a float64 ndarray after checking dtype and rank."""
     a = np.asarray(x)
     if not np.issubdtype(a.dtype, np.floating):
-        raise TypeError(f"{name}: expected a real floating dtype (float16/float32/float64), got {a.dtype}")
+        raise InputTypeError(f"{name}: expected a real floating dtype (float16/float32/float64), got {a.dtype}")
     if a.ndim != ndim:
-        raise ValueError(f"{name}: expected {ndim}-D array {layout}, got shape {a.shape}")
+        raise InputError(f"{name}: expected {ndim}-D array {layout}, got shape {a.shape}")
     a = a.astype(np.float64)
     if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name}: contains NaN or inf")
+        raise InputError(f"{name}: contains NaN or inf")
     return a
 
 
 def _check_scale(scale) -> float:
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (Real, np.floating, np.integer)):
-        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}")
+        raise InputTypeError(f"scale: expected a real number, got {type(scale).__name__}")
     s = float(scale)
     if not math.isfinite(s):
-        raise ValueError(f"scale: must be finite, got {s}")
+        raise InputError(f"scale: must be finite, got {s}")
     return s
 
 
@@ -94,19 +96,19 @@ def _check_mask(mask, B: int, S: int, Skv: int | None) -> np.ndarray | None:
         return None
     m = np.asarray(mask)
     if not np.issubdtype(m.dtype, np.floating):
-        raise TypeError(f"mask: expected a real floating dtype, got {m.dtype}")
+        raise InputTypeError(f"mask: expected a real floating dtype, got {m.dtype}")
     if m.ndim != 3:
-        raise ValueError(f"mask: expected 3-D array (Bm, S2, Skv), got shape {m.shape}")
+        raise InputError(f"mask: expected 3-D array (Bm, S2, Skv), got shape {m.shape}")
     Bm, S2, Skm = m.shape
     if Bm not in (1, B):
-        raise ValueError(f"mask: batch dim Bm={Bm} must be 1 or B={B} (shape {m.shape})")
+        raise InputError(f"mask: batch dim Bm={Bm} must be 1 or B={B} (shape {m.shape})")
     if S2 < S:
-        raise ValueError(f"mask: row count S2={S2} must be >= S={S} (shape {m.shape})")
+        raise InputError(f"mask: row count S2={S2} must be >= S={S} (shape {m.shape})")
     if Skv is not None and Skm != Skv:
-        raise ValueError(f"mask: last dim {Skm} must equal Skv={Skv} (shape {m.shape})")
+        raise InputError(f"mask: last dim {Skm} must equal Skv={Skv} (shape {m.shape})")
     m = m[:, :S, :].astype(np.float64)
     if np.any(np.isnan(m)) or np.any(m == np.inf):
-        raise ValueError("mask: entries must be finite or -inf (found NaN or +inf in the first S rows)")
+        raise InputError("mask: entries must be finite or -inf (found NaN or +inf in the first S rows)")
     return m
 
 
@@ -118,15 +120,15 @@ def _check_qkv(q, k, v):
     Bk, Nkv, Skv, Dk = k.shape
     Bv, Nkv_v, Skv_v, _Dv = v.shape
     if Bk != B:
-        raise ValueError(f"k: batch dim {Bk} != q batch dim {B} (q {q.shape}, k {k.shape})")
+        raise InputError(f"k: batch dim {Bk} != q batch dim {B} (q {q.shape}, k {k.shape})")
     if Dk != D:
-        raise ValueError(f"k: head dim {Dk} != q head dim {D} (q {q.shape}, k {k.shape})")
+        raise InputError(f"k: head dim {Dk} != q head dim {D} (q {q.shape}, k {k.shape})")
     if Nkv < 1 or Nh % Nkv != 0:
-        raise ValueError(f"k: kv head count Nkv={Nkv} must divide q head count Nh={Nh}")
+        raise InputError(f"k: kv head count Nkv={Nkv} must divide q head count Nh={Nh}")
     if Skv < 1:
-        raise ValueError(f"k: Skv must be >= 1, got shape {k.shape}")
+        raise InputError(f"k: Skv must be >= 1, got shape {k.shape}")
     if (Bv, Nkv_v, Skv_v) != (B, Nkv, Skv):
-        raise ValueError(f"v: shape {v.shape} must be (B, Nkv, Skv, Dv) = ({B}, {Nkv}, {Skv}, Dv) to match k {k.shape}")
+        raise InputError(f"v: shape {v.shape} must be (B, Nkv, Skv, Dv) = ({B}, {Nkv}, {Skv}, Dv) to match k {k.shape}")
     return q, k, v
 
 
@@ -233,13 +235,13 @@ def attention_forward_backward(q, k, v, mask, scale, do, dlse=None):
     mask = _check_mask(mask, B, S, Skv)
     do = _as_float_array(do, "do", 4, "(B, Nh, S, Dv)")
     if do.shape != (B, Nh, S, Dv):
-        raise ValueError(f"do: shape {do.shape} must equal o's shape {(B, Nh, S, Dv)}")
+        raise InputError(f"do: shape {do.shape} must equal o's shape {(B, Nh, S, Dv)}")
     if dlse is None:
         dlse = np.zeros((B, Nh, S), dtype=np.float64)
     else:
         dlse = _as_float_array(dlse, "dlse", 3, "(B, Nh, S)")
         if dlse.shape != (B, Nh, S):
-            raise ValueError(f"dlse: shape {dlse.shape} must equal lse's shape {(B, Nh, S)}")
+            raise InputError(f"dlse: shape {dlse.shape} must equal lse's shape {(B, Nh, S)}")
 
     kh = np.repeat(k, G, axis=1)
     vh = np.repeat(v, G, axis=1)
@@ -283,7 +285,7 @@ def masked_rows(mask, B, S):
     B = int(B)
     S = int(S)
     if B < 0 or S < 0:
-        raise ValueError(f"B, S: must be >= 0, got B={B}, S={S}")
+        raise InputError(f"B, S: must be >= 0, got B={B}, S={S}")
     m = _check_mask(mask, B, S, None)
     if m is None:
         return np.zeros((B, S), dtype=bool)

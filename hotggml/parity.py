@@ -23,7 +23,7 @@ import numpy as np
 
 from hotggml import ops, oracle
 from hotggml.cases import Case
-from hotggml.errors import BackendError
+from hotggml.errors import BackendError, InputError
 from hotggml.ffi import library_info
 from hotggml.graph import Backend, Graph
 from hotggml.probe import probe
@@ -51,7 +51,7 @@ def rel_err(x: np.ndarray, ref: np.ndarray, floor: float = FLOOR) -> float:
     x = np.asarray(x, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     if x.shape != ref.shape:
-        raise ValueError(f"shape mismatch {x.shape} vs {ref.shape}")
+        raise InputError(f"shape mismatch {x.shape} vs {ref.shape}")
     if x.size == 0:
         return 0.0
     if not np.all(np.isfinite(x)):

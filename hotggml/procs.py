@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from hotggml.errors import HotggmlError
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -57,7 +58,7 @@ def working_in(folder: Path) -> list[int]:
 
 
 def end(pids: list[int], timeout: float = 30.0) -> None:
-    """SIGKILL pids and wait until none is alive; RuntimeError after timeout seconds."""
+    """SIGKILL pids and wait until none is alive; HotggmlError after timeout seconds."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -66,7 +67,7 @@ def end(pids: list[int], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while any(alive(pid) for pid in pids):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {pids} did not end")
+            raise HotggmlError(f"processes {pids} did not end")
         time.sleep(0.02)
 
 

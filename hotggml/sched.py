@@ -12,6 +12,7 @@ the requested backend is the CPU. The fallback CPU backend is opened and owned h
 
 from __future__ import annotations
 
+from hotggml.errors import BackendError, InputError
 from hotggml.ffi import ffi, load
 
 
@@ -26,7 +27,7 @@ class Scheduler:
         from hotggml.graph import Backend  # graph imports this module lazily: no cycle at load
 
         if graph_size < 1:
-            raise ValueError(f"graph_size must be >= 1, got {graph_size}")
+            raise InputError(f"graph_size must be >= 1, got {graph_size}")
         self.lib = load()
         self._own_cpu = None if backend.device_name == "CPU" else Backend("CPU")
         self.backends = [backend] + ([self._own_cpu] if self._own_cpu else [])
@@ -40,7 +41,7 @@ class Scheduler:
         for b in self.backends:
             if b.device_name.upper() == device_name.upper():
                 return b
-        raise ValueError(f"no backend {device_name!r} in this scheduler (have: "
+        raise InputError(f"no backend {device_name!r} in this scheduler (have: "
                          f"{', '.join(b.device_name for b in self.backends)})")
 
     def assign(self, tensor_ptr, device_name: str) -> None:
@@ -95,7 +96,7 @@ class Scheduler:
         finally:
             lib.ggml_backend_sched_set_eval_callback(sched, ffi.NULL, ffi.NULL)
         if status != 0:
-            raise RuntimeError(f"graph compute failed (status {status})")
+            raise BackendError(f"graph compute failed (status {status})")
         out, prev = [], t0
         for t, stamp in stamps:
             out.append((t, stamp - prev))

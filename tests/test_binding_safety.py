@@ -1,6 +1,8 @@
 """Misuses of the binding that used to kill the interpreter (SIGSEGV / SIGABRT) or return memory the
 allocator reused: each runs in a subprocess (a regression would take pytest down with it otherwise) and
-must raise a Python exception naming the problem, after which the interpreter carries on."""
+must raise a Python exception of hotggml's family (HotggmlError, with ValueError / TypeError /
+RuntimeError / MemoryError as co-bases) naming the problem, after which the interpreter carries on.
+Each case names the GGML_ASSERT the Python check stands in front of."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hotggml import paths
 PRELUDE = """
 import numpy as np
 from hotggml import ops
+from hotggml.errors import HotggmlError
 from hotggml.graph import Backend, Graph
 be = Backend("CPU")
 def expect(exc, text, fn):
@@ -23,6 +26,7 @@ def expect(exc, text, fn):
         fn()
     except exc as e:
         assert text in str(e), f"{type(e).__name__}: {e}"
+        assert isinstance(e, HotggmlError), f"{type(e).__name__} is not of hotggml's exception family"
         print("raised", type(e).__name__)
     else:
         raise SystemExit("no exception")
@@ -67,6 +71,63 @@ CASES = {
         g1 = Graph(be); x = g1.param(np.ones(3, np.float32)); g1.build([x], g1.sum(x)); g1.compute()
         g2 = Graph(be); y = g2.param(np.ones(3, np.float32)); g2.build([y], g2.sum(y)); g2.compute()
         expect(TypeError, "another Graph", lambda: g2.grad(x))
+    """,
+    # ggml: GGML_ASSERT(cgraph->n_nodes < cgraph->size) in ggml_visit_parents
+    "more nodes than max_nodes": """
+        g = Graph(be, max_nodes=64); x = g.input(np.ones(3, np.float32)); y = x
+        for _ in range(80):
+            y = g.add(y, x)
+        expect(ValueError, "make the Graph with max_nodes >= 80", lambda: g.build([y]))
+        g2 = Graph(be, max_nodes=64); p = g2.param(np.ones(3, np.float32)); z = p
+        for _ in range(10):  # 10 forward nodes fit 64, but not with their backward
+            z = g2.mul(z, p)
+        expect(ValueError, "with their backward", lambda: g2.build([z], g2.sum(z)))
+        g3 = Graph(be, max_nodes=1024); p = g3.param(np.ones(3, np.float32)); z = p
+        for _ in range(10):
+            z = g3.mul(z, p)
+        g3.build([z], g3.sum(z)); g3.compute()
+        assert np.allclose(g3.grad(p), 11.0)  # d/dp p^11 at 1
+    """,
+    # ggml: GGML_ASSERT(obj_new->offs + obj_new->size <= ctx->mem_size) in ggml_new_object ("not enough space")
+    "more tensors than the context holds": """
+        g = Graph(be, max_nodes=16); x = g.input(np.ones(3, np.float32)); y = x
+        def grow():
+            global y
+            for _ in range(1000):
+                y = g.add(y, x)
+        expect(ValueError, "context is full", grow)
+    """,
+    # ggml-cpu: the thread pool holds at most GGML_MAX_N_THREADS; 0 threads divides by zero
+    "thread counts out of range": """
+        expect(ValueError, "n_threads must be in [1, 512]", lambda: Backend("CPU", n_threads=0))
+        expect(ValueError, "n_threads must be in [1, 512]", lambda: Backend("CPU", n_threads=100000))
+        expect(TypeError, "n_threads must be an int", lambda: Backend("CPU", n_threads=2.5))
+        expect(TypeError, "device_name must be a str", lambda: Backend(0))
+        expect(ValueError, "max_nodes must be an int in [16", lambda: Graph(be, max_nodes=1 << 40))
+    """,
+    # ggml: GGML_ASSERT(!ggml_is_transposed(a)) in ggml_mul_mat
+    "mul_mat of a transposed operand": """
+        g = Graph(be); a = g.input(np.ones((4, 4), np.float32)); b = g.input(np.ones((3, 4), np.float32))
+        expect(ValueError, "is transposed", lambda: g.mul_mat(g.permute(a, 1, 0, 2, 3), b))
+    """,
+    # ggml: GGML_ASSERT(mask->ne[0] == a->ne[0]) and the other mask asserts in ggml_soft_max_impl
+    "soft_max_ext with a mask that does not fit": """
+        g = Graph(be); a = g.input(np.ones((4, 8), np.float32))
+        m = g.input(np.zeros((4, 5), np.float16))
+        expect(ValueError, "does not fit", lambda: g.soft_max_ext(a, m, 1.0))
+        expect(ValueError, "contiguous a", lambda: g.soft_max_ext(g.permute(a, 1, 0, 2, 3), None, 1.0))
+        expect(ValueError, "must be finite", lambda: g.soft_max_ext(a, None, float("nan")))
+    """,
+    # ggml: GGML_ASSERT(tensor->type == GGML_TYPE_F32) in ggml_set_loss
+    "f16 loss": """
+        g = Graph(be); p = g.param(np.ones(3, np.float32)); l16 = g.input(np.ones(1, np.float16))
+        expect(ValueError, "loss must be an f32 scalar", lambda: g.build([p], l16))
+    """,
+    "tensor sizes out of range": """
+        g = Graph(be)
+        expect(ValueError, "over", lambda: g.new_tensor((1 << 30, 1 << 30, 1 << 10)))
+        expect(ValueError, "positive int dims", lambda: g.new_tensor((4, 0)))
+        expect(ValueError, "positive int dims", lambda: g.new_tensor((4.5,)))
     """,
 }
 
@@ -113,3 +174,43 @@ def test_graphs_and_backends_never_closed_are_freed_when_collected(lib):
     be.close()
     with pytest.raises(RuntimeError, match="backend CPU is closed"):
         Graph(be)
+
+
+def test_backward_growth_bound_holds_for_every_op_the_binding_builds(lib):
+    """build() refuses a forward of more than max_nodes / (1 + BACKWARD_GROWTH) nodes when a loss is given,
+    because ggml aborts on a graph that overflows while it adds the backward: the bound must hold for every
+    op the binding builds, measured here as nodes added by the backward per forward node."""
+    import numpy as np
+
+    from hotggml import ops
+    from hotggml.graph import BACKWARD_GROWTH, Backend, Graph
+
+    rng = np.random.default_rng(0)
+
+    def chain(g):  # the exact chain's ops: mul_mat, soft_max_ext with a mask, permute, cont, repeat, reshape
+        q = g.param(rng.standard_normal((1, 4, 6, 8)).astype(np.float32))
+        k = g.param(rng.standard_normal((1, 2, 5, 8)).astype(np.float32))
+        kr = g.repeat(k, g.new_tensor((8, 5, 4, 1)))
+        s = g.mul_mat(kr, q)
+        m = g.input(np.zeros((6, 5), np.float16))
+        p = g.soft_max_ext(s, m, 0.3)
+        r = g.reshape(g.cont(g.permute(p, 1, 0, 2, 3)), (6, 5, 4, 1))
+        return g.mul(r, r)
+
+    def fused(g):  # the fused pair with the LSE in the loss (d packed)
+        q = g.param(rng.standard_normal((1, 4, 6, 8)).astype(np.float32))
+        k = g.param(rng.standard_normal((1, 2, 5, 8)).astype(np.float32))
+        v = g.param(rng.standard_normal((1, 2, 5, 8)).astype(np.float32))
+        fwd = ops.flash_attn_train(g, q, k, v, None, 0.3, causal=True)
+        return g.add(g.sum(ops.get_o(fwd)), g.sum(ops.get_lse(fwd)))
+
+    with Backend("CPU") as be:
+        for make in (chain, fused):
+            with Graph(be) as g:
+                out = make(g)
+                loss = out if out.ne == (1, 1, 1, 1) else g.sum(out)
+                n_fwd, _ = g._count_forward([loss])
+                g.build([out], loss)
+                added = g.lib.ggml_graph_n_nodes(g.gf) - n_fwd
+                assert added > 0
+                assert added <= BACKWARD_GROWTH * n_fwd, f"{make.__name__}: {added} nodes for {n_fwd} forward"

@@ -1,0 +1,102 @@
+"""The CLI's conventions: one exit-code scheme (0 ok, 1 a check failed, 2 a usage or input error, 130
+interrupted), errors as one `hotggml: error:` line and never a traceback, test-backend-ops' spellings
+(-b BACKEND, -p REGEX with a hint when nothing matches, a way to list cases), defaults in --help and a
+--version that names the package, the pin and the series."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hotggml import __version__, cli, paths, pin
+from hotggml.errors import BuildError
+
+
+def _hotggml(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hotggml", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT), **(env or {})})
+
+
+@pytest.mark.parametrize("command", ["parity", "probe", "bench --set field"])
+def test_a_pattern_that_matches_nothing_is_an_error_that_lists_the_ids(command):
+    run = _hotggml(*command.split(), "-p", "nomatch")
+    assert run.returncode == cli.EXIT_ERROR
+    assert "hotggml: error: no case of" in run.stderr and "matches -p 'nomatch'; the ids are:" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_json_pointing_at_a_folder_is_refused_before_the_run(tmp_path):
+    for command in (["parity"], ["bench", "--set", "field"]):
+        run = _hotggml(*command, "--json", str(tmp_path))
+        assert run.returncode == cli.EXIT_ERROR and "is a folder: give a file name" in run.stderr
+        run = _hotggml(*command, "--json", str(tmp_path / "no" / "such" / "x.json"))
+        assert run.returncode == cli.EXIT_ERROR and "no such folder" in run.stderr
+        assert "Traceback" not in run.stderr
+
+
+def test_list_prints_the_selected_cases_and_runs_nothing():
+    run = _hotggml("parity", "-l", "--set", "real", "-p", "lm")
+    ids = [line.split()[0] for line in run.stdout.splitlines()]
+    assert run.returncode == 0 and ids and all("lm" in i for i in ids) and "passed" not in run.stdout
+
+
+def test_backend_short_option_and_defaults_in_help():
+    for command in ("parity", "bench", "probe", "memory"):
+        text = _hotggml(command, "--help").stdout
+        assert "-b BACKEND, --backend BACKEND" in text and "(default: cpu)" in text
+        assert "exit status: 0 ok; 1 a check failed" in re.sub(r"\s+", " ", text)
+
+
+def test_version_names_package_pin_and_series():
+    run = _hotggml("--version")
+    assert run.returncode == 0
+    assert run.stdout.startswith(f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, series ")
+    assert re.search(r"series [0-9a-f]{12}\)", run.stdout)  # this checkout's series hash
+
+
+def test_version_has_one_source():
+    """pyproject.toml takes the version from hotggml/__init__.py (scikit-build-core's regex provider)."""
+    text = (paths.REPO_ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and 'input = "hotggml/__init__.py"' in text
+    assert not re.search(r'^version\s*=', text, re.M)
+
+
+def test_usage_errors_exit_2_and_unknown_commands_too():
+    assert _hotggml("parity", "--prec", "f64").returncode == cli.EXIT_ERROR
+    assert _hotggml("no-such-command").returncode == cli.EXIT_ERROR
+    assert cli.main(["parity", "--runs"]) == cli.EXIT_ERROR  # argparse's exit is turned into a return code
+
+
+def test_a_missing_tool_is_a_build_error_not_a_traceback(tmp_path):
+    from hotggml import build
+
+    with pytest.raises(BuildError, match="cmake-not-installed is not on PATH"):
+        build._run(["cmake-not-installed", "--version"], tmp_path / "log")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_an_interactive_shell_survives_a_failing_command(tmp_path):
+    script = f"source {paths.REPO_ROOT}/ci/env.sh; hotggml parity -p nomatch; echo alive $?"
+    run = subprocess.run(["bash", "-i", "-c", script], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)})
+    assert "alive 2" in run.stdout
+
+
+def test_an_error_in_the_command_is_one_line(monkeypatch, capsys):
+    """Any HotggmlError or OSError a command raises ends as `hotggml: error: ...` and exit 2."""
+    import argparse
+
+    def boom(args: argparse.Namespace) -> int:
+        raise OSError(21, "Is a directory", "/tmp")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["probe"].set_defaults(func=boom)
+    assert cli.main(["probe"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("hotggml: error: [Errno 21] Is a directory: '/tmp'") and "Traceback" not in err
