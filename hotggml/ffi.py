@@ -278,10 +278,15 @@ def load():
     lib_dir = find_lib_dir()
     path = lib_dir / _lib_file_name()
     try:
+        _preload_dependencies(lib_dir)
         lib = ffi.dlopen(str(path))
         stamp = ffi.string(lib.hotggml_build_stamp()).decode()
     except (OSError, AttributeError) as exc:
-        raise LibraryError(f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
+        raise LibraryError(_shadowed_message(lib_dir) or
+                           f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
+    shadowed = _shadowed_message(lib_dir)
+    if shadowed:
+        raise LibraryError(shadowed)
     check_cpu(lib_dir)
     got, want = parse_stamp(stamp), expected_stamp(lib_dir)
     if got != want:
@@ -291,6 +296,47 @@ def load():
             f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
             f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
     return lib
+
+
+_PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process
+
+
+def _preload_dependencies(lib_dir: Path) -> None:
+    """dlopen lib_dir's other libggml*.so by absolute path, libggml-base first. The dynamic linker then
+    resolves libggml.so's DT_NEEDED entries to these (a loaded object is matched by its soname) instead of
+    searching LD_LIBRARY_PATH, which takes precedence over the RUNPATH ($ORIGIN) the build links with."""
+    if os.name != "posix":
+        return
+    suffix = Path(_lib_file_name()).suffix
+    deps = sorted((p for p in lib_dir.glob(f"libggml*{suffix}") if p.name != _lib_file_name()),
+                  key=lambda p: (p.name != f"libggml-base{suffix}", p.name))
+    for dep in deps:
+        _PRELOADED.append(ffi.dlopen(str(dep)))
+
+
+def _mapped_ggml_libraries() -> list[Path]:
+    """Every libggml* file mapped into this process (Linux: /proc/self/maps; elsewhere nothing is known)."""
+    try:
+        text = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found = {line.split(maxsplit=5)[-1] for line in text.splitlines() if "/libggml" in line}
+    return sorted(Path(p) for p in found if Path(p).name.startswith("libggml"))
+
+
+def _shadowed_message(lib_dir: Path) -> str | None:
+    """A LibraryError message when a libggml* from another folder is mapped beside ours (LD_LIBRARY_PATH, or
+    another ggml loaded first in this process): the patched library would run against foreign symbols."""
+    mine = lib_dir.resolve()
+    foreign = [p for p in _mapped_ggml_libraries() if p.parent.resolve() != mine]
+    if not foreign:
+        return None
+    where = os.environ.get("LD_LIBRARY_PATH")
+    why = (f"LD_LIBRARY_PATH={where} overrides the library's RUNPATH: take those folders out of it (or unset it)"
+           if where else "another ggml was loaded into this process first: load hotggml before it, or in a "
+           "process of its own")
+    return (f"{', '.join(map(str, foreign))} loaded beside the patched libraries in {lib_dir}; {why}. "
+            "A rebuild cannot help.")
 
 
 def check_cpu(lib_dir: Path) -> None:

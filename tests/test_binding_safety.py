@@ -214,3 +214,48 @@ def test_backward_growth_bound_holds_for_every_op_the_binding_builds(lib):
                 added = g.lib.ggml_graph_n_nodes(g.gf) - n_fwd
                 assert added > 0
                 assert added <= BACKWARD_GROWTH * n_fwd, f"{make.__name__}: {added} nodes for {n_fwd} forward"
+
+
+def _dummy_library(folder, name: str) -> None:
+    """An empty shared library with ggml's soname `name` (what a stale or foreign ggml looks like to ld.so)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to make the shadowing library")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "empty.c").write_text("int hotggml_test_dummy(void) { return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", str(folder / name), str(folder / "empty.c")],
+                   check=True, capture_output=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_LIBRARY_PATH and /proc/self/maps are Linux's")
+def test_ld_library_path_cannot_shadow_the_patched_libraries(lib, tmp_path):
+    """LD_LIBRARY_PATH overrides the RUNPATH the build links with: a libggml-base.so found there used to be
+    loaded in place of ours (undefined symbols, and advice to rebuild, which cannot help). The binding loads
+    its dependencies by absolute path first, so the shadow is never used."""
+    _dummy_library(tmp_path, "libggml-base.so")
+    _dummy_library(tmp_path, "libggml-cpu.so")
+    run = _run("""
+        from hotggml import ffi
+        assert all(p.parent == ffi.find_lib_dir() for p in ffi._mapped_ggml_libraries()), ffi._mapped_ggml_libraries()
+        g = Graph(be); x = g.param(np.ones(3, np.float32)); g.build([x], g.sum(x)); g.compute()
+        assert (g.grad(x) == 1).all()
+    """, env={"LD_LIBRARY_PATH": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout.strip().endswith("alive"), run.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
+def test_another_ggml_loaded_first_is_named(lib, tmp_path):
+    """A ggml loaded into the process before hotggml (another binding) would be bound to our library's
+    symbols: refused with a message that says so, not advice to rebuild."""
+    _dummy_library(tmp_path, "libggml-base.so")
+    code = (f"import ctypes; ctypes.CDLL({str(tmp_path / 'libggml-base.so')!r}, ctypes.RTLD_GLOBAL)\n"
+            "from hotggml import ffi\n"
+            "from hotggml.errors import LibraryError\n"
+            "try:\n    ffi.load()\nexcept LibraryError as e:\n    print('refused:', e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused:" in run.stdout and "another ggml was loaded into this process first" in run.stdout
+    assert "rebuild" not in run.stdout.split("refused:")[1].split(";")[0]
