@@ -240,9 +240,9 @@ def _checkout_series_hash() -> str | None:
 
     if not paths.PATCHES_DIR.joinpath("series").is_file():
         return None
-    from hotggml import patches
+    from hotggml import series
 
-    return patches.series_hash()
+    return series.series_hash()
 
 
 def _lib_file_name() -> str:
@@ -256,9 +256,9 @@ def expected_stamp(lib_dir: Path) -> dict:
     from hotggml import paths
 
     if paths.PATCHES_DIR.joinpath("series").is_file() and lib_dir != _package_lib_dir():
-        from hotggml import pin
+        from hotggml import pin_record
 
-        return {"pin": pin.UPSTREAM_COMMIT, "series_hash": _checkout_series_hash()}
+        return {"pin": pin_record.UPSTREAM_COMMIT, "series_hash": _checkout_series_hash()}
     record = json.loads((lib_dir / "hotggml-build.json").read_text())
     return {"pin": record.get("pin", ""), "series_hash": record.get("series_hash", "")}  # the stamp's fields only
 

@@ -30,8 +30,8 @@ import git
 
 from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
+from hotggml.series import SERIES_FILE, check_lf, series_entries, series_hash  # noqa: F401 (re-exported)
 
-SERIES_FILE = "series"
 SUFFIX = ".patch"
 WORK_BRANCH = "hotggml"
 COMMITTER = gitutil.Identity("hotggml", "hotggml@invalid", "")  # date: the patch's author date
@@ -104,38 +104,6 @@ def default_tree() -> Path:
 
 
 # -- the series -------------------------------------------------------------------------
-
-def check_lf(path: Path | str) -> None:
-    """Refuse a file containing a carriage return (CRLF line endings).
-
-    Raises PatchError naming the file and the first offending line.
-    """
-    data = Path(path).read_bytes()
-    lines = list(gitutil.iter_lines_with_cr(data))
-    if lines:
-        raise PatchError(f"{path} has CRLF line endings (first at line {lines[0]}): patches are LF only; "
-                         f"convert it (e.g. `sed -i 's/\\r$//' {path}`) and check your editor/git autocrlf setting")
-
-
-def series_entries(patches_dir: Path | str | None = None) -> list[str]:
-    """Return the file names listed in <patches_dir>/series, in order.
-
-    Raises PatchError when the series file is missing, has CRLF, or lists a name twice.
-    """
-    series = Path(patches_dir or paths.PATCHES_DIR) / SERIES_FILE
-    if not series.is_file():
-        raise PatchError(f"{series} does not exist: create it with one patch file name a line")
-    check_lf(series)
-    entries = []
-    for line in series.read_text(encoding="utf-8").splitlines():
-        entry = line.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        if entry in entries:
-            raise PatchError(f"{series} lists {entry} twice: keep one line per patch")
-        entries.append(entry)
-    return entries
-
 
 def load_series(patches_dir: Path | str | None = None) -> list[Patch]:
     """Parse every patch named by the series, in order.
@@ -222,26 +190,6 @@ def _parse_marker(value: str, where: str) -> Marker:
     if path.startswith("/") or ".." in path.split("/"):
         raise PatchError(f"{where}: marker path {path!r} must be relative to the ggml tree")
     return Marker(path, text)
-
-
-def series_hash(patches_dir: Path | str | None = None) -> str:
-    """Return the sha256 (hex) over the series file and every listed patch's bytes, in order.
-
-    It keys builds and is stamped into the library, so any byte change in the series
-    gives a new hash. Raises PatchError as series_entries does, or when a file is missing.
-    """
-    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
-    entries = series_entries(patches_dir)
-    digest = hashlib.sha256((patches_dir / SERIES_FILE).read_bytes())
-    for entry in entries:
-        path = patches_dir / entry
-        if not path.is_file():
-            raise PatchError(f"{path}: listed in the series but there is no such file")
-        data = path.read_bytes()
-        # Length-prefixed so that moving bytes between files changes the hash.
-        digest.update(f"\0{entry}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()
 
 
 # -- applying ---------------------------------------------------------------------------

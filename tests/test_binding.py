@@ -384,14 +384,14 @@ def test_loaded_stamp_is_this_checkout(lib, cpu_build):
 
 @pytest.mark.parametrize("what", ["series_hash", "pin", "expected_stamp"])
 def test_stale_library_refused(lib, monkeypatch, what):
-    from hotggml import patches, pin
+    from hotggml import pin_record, series
 
     try:
         with monkeypatch.context() as m:
             if what == "series_hash":
-                m.setattr(patches, "series_hash", lambda *a, **k: "0" * 64)
+                m.setattr(series, "series_hash", lambda *a, **k: "0" * 64)
             elif what == "pin":
-                m.setattr(pin, "UPSTREAM_COMMIT", "1" * 40)
+                m.setattr(pin_record, "UPSTREAM_COMMIT", "1" * 40)
             else:
                 m.setattr(hffi, "expected_stamp", lambda lib_dir: {"pin": "2" * 40, "series_hash": "3" * 64})
             hffi.load.cache_clear()

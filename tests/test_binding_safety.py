@@ -259,3 +259,16 @@ def test_another_ggml_loaded_first_is_named(lib, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "refused:" in run.stdout and "another ggml was loaded into this process first" in run.stdout
     assert "rebuild" not in run.stdout.split("refused:")[1].split(";")[0]
+
+
+def test_loading_the_binding_imports_no_git_tooling(lib):
+    """The binding checks the library's stamp against this checkout's series (hotggml.series, hotggml.pin_record)
+    without GitPython or the patch tooling: a trainer's process loads neither."""
+    run = _run("""
+        import sys
+        from hotggml import ffi
+        ffi.load()
+        loaded = [m for m in ("git", "hotggml.patches", "hotggml.pin", "hotggml.gitutil") if m in sys.modules]
+        assert not loaded, loaded
+    """)
+    assert run.returncode == 0 and run.stdout.strip().endswith("alive"), run.stderr[-2000:]
