@@ -229,7 +229,8 @@ class Graph:
         if self.ctx == ffi.NULL or self.ctx_in == ffi.NULL:
             raise OutOfMemoryError("ggml_init failed")
         self.gf = None
-        self._uploads: list[tuple[Tensor, np.ndarray]] = []
+        self._leaves: list[Tensor] = []  # inputs and params, in order
+        self._pending: list[tuple[Tensor, np.ndarray]] = []  # their data until build() uploads it
         self._loss: Tensor | None = None
         self._computed = False
         self._placed = False
@@ -263,11 +264,12 @@ class Graph:
             raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
         if self.gf is not None:
             raise UsageError("inputs must be created before build()")
-        if len(self._uploads) >= self.MAX_INPUTS:
+        if len(self._leaves) >= self.MAX_INPUTS:
             raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
-        self._uploads.append((t, np.ascontiguousarray(array, dtype=dtype)))
+        self._leaves.append(t)
+        self._pending.append((t, np.ascontiguousarray(array, dtype=dtype)))
         return t
 
     def param(self, array: np.ndarray, name: str | None = None) -> Tensor:
@@ -389,7 +391,7 @@ class Graph:
         if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
             if loss.ne != (1, 1, 1, 1) or loss.dtype != np.float32:
                 raise InputError(f"loss must be an f32 scalar, got {loss.dtype} {loss.ne}")
-            if not any(int(t.ptr.flags) & FLAG_PARAM for t, _ in self._uploads):
+            if not any(int(t.ptr.flags) & FLAG_PARAM for t in self._leaves):
                 # ggml_build_backward_expand asserts (and kills the interpreter) when nothing is a parameter
                 raise InputError("build() with a loss needs at least one param() to differentiate: "
                                  "declare the leaves that need gradients with Graph.param")
@@ -412,7 +414,7 @@ class Graph:
             self.lib.ggml_build_forward_expand(self.gf, loss.ptr)
             self.lib.ggml_build_backward_expand(self.ctx, self.gf, ffi.NULL)
             self._loss = loss
-            for t, _ in self._uploads:
+            for t in self._leaves:
                 g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
                 if g != ffi.NULL:
                     self.lib.ggml_set_output(g)
@@ -420,9 +422,15 @@ class Graph:
         # inputs get their own buffer now, so the arena measures the graph's compute memory only
         self.backend.need_open()
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
-        if buf == ffi.NULL and self._uploads:
+        if buf == ffi.NULL and self._leaves:
             raise OutOfMemoryError("input buffer allocation failed on " + self.backend.device_name)
         self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free) if buf != ffi.NULL else None
+        # uploaded once, now: the inputs' buffer is theirs alone (the graph's allocator never reuses it), so
+        # the NumPy copies are dropped instead of held beside it for the Graph's life
+        for t, arr in self._pending:
+            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
+        self._pending = []
+
     def _count_forward(self, roots: list[Tensor]) -> tuple[int, int]:
         """The nodes and leafs ggml_build_forward_expand would put in a graph for roots, counted in Python
         (ggml_visit_parents' rule: a tensor with no op that is not a parameter is a leaf)."""
@@ -558,7 +566,7 @@ class Graph:
         self._prepare_run(())
         try:
             timed = sched.time_nodes(self.gf)
-        except RuntimeError as exc:
+        except BackendError as exc:
             raise BackendError(f"{exc} on {self.backend.device_name}") from None
         self._computed = True
         return [(Tensor(self, ptr), secs) for ptr, secs in timed]
@@ -568,8 +576,6 @@ class Graph:
         self._need_graph()
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
         self._allocate()
-        for t, arr in self._uploads:
-            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
         if self._loss is not None:
             g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
             one = np.ones(1, dtype=np.float32)
