@@ -124,8 +124,8 @@ def time_pair(case: Case, device: str = "CPU", threads: int | None = None, runs:
 def format_timing(t: TimingResult) -> str:
     threads = f"{t.threads} threads" if t.threads else "default threads"
     return (f"{t.case} on {t.device} ({threads}), fwd+bwd, {len(t.fused_s)} runs/arm interleaved:\n"
-            f"  fused median {t.fused_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.fused_s) + "\n"
-            f"  chain median {t.chain_median * 1e3:8.1f} ms  runs " + ", ".join(f"{x * 1e3:.0f}" for x in t.chain_s) + "\n"
+            f"  fused median {t.fused_median * 1e3:9.3f} ms  runs " + ", ".join(f"{x * 1e3:.3f}" for x in t.fused_s) + "\n"
+            f"  chain median {t.chain_median * 1e3:9.3f} ms  runs " + ", ".join(f"{x * 1e3:.3f}" for x in t.chain_s) + "\n"
             f"  fused/chain time ratio {t.ratio:.3f}")
 
 

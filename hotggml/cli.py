@@ -342,6 +342,18 @@ def _select_cases(sets: list[str], pattern: str | None) -> list:
     return selected
 
 
+def _progress(done: int, total: int, text: str) -> None:
+    """One progress line on stderr: a bar redrawn in place on a terminal, a plain [done/total] line in a log."""
+    if sys.stderr.isatty():
+        width = 24
+        fill = width * done // max(total, 1)
+        end = "\n" if done == total else ""
+        print(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {text}"[:160].ljust(100), end=end,
+              file=sys.stderr, flush=True)
+    else:
+        print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
+
+
 def _print_cases(selected: list) -> int:
     for case in selected:
         print(f"{case.id:<28} {case.shape}")
@@ -370,10 +382,10 @@ def _run_parity(args: argparse.Namespace) -> int:
         return _print_cases(selected)
     device = resolve_device(args.backend)
     results = []
-    for case in selected:
+    for i, case in enumerate(selected, start=1):
         res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain)
-        print(f"{'PASS' if res.passed else 'FAIL'} {case.id}" + ("" if res.passed else ": " + "; ".join(res.failures)),
-              file=sys.stderr, flush=True)
+        _progress(i, len(selected), f"{'PASS' if res.passed else 'FAIL'} {case.id}"
+                  + ("" if res.passed else ": " + "; ".join(res.failures)))
         results.append(res)
     print(parity.table(results))
     if args.json:
@@ -459,9 +471,9 @@ def _run_bench_table(args: argparse.Namespace) -> int:
     device = resolve_device(args.backend)
     ceiling = bench.tf32_ceiling(device)
     rows = []
-    for case in selected:
+    for i, case in enumerate(selected, start=1):
         rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain))
-        print(f"timed {case.id}", file=sys.stderr, flush=True)
+        _progress(i, len(selected), f"timed {case.id}")
         if args.profile:
             for arm, prec in (("fused tf32", "default"), ("chain", None)):
                 if prec is None and args.no_chain:

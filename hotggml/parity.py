@@ -389,7 +389,25 @@ def table(results: list[CaseResult]) -> str:
         cells = " ".join(f"{fo[o]:8.1e}" if o in fo else f"{'-':>8}" for o in OUTPUTS)
         lines.append(f"{r.case:<24} {r.shape:<44} {r.precision:<5} {cells} {chain_worst}  "
                      + ("PASS" if r.passed else "FAIL: " + "; ".join(r.failures)))
-    return "\n".join(lines)
+    return "\n".join(lines + legend(results))
+
+
+def legend(results: list[CaseResult]) -> list[str]:
+    """What the table's columns are, and the bars and threads that applied (printed under it)."""
+    if not results:
+        return []
+    bars = sorted({(r.precision, r.bar) for r in results})
+    chain_bars = sorted({r.chain_bar for r in results if r.errors.get("chain~oracle")})
+    threads = sorted({"default" if n is None else str(n) for r in results for n in r.threads})
+    return [
+        "",
+        "O, LSE, dQ, dK, dV: worst relative error of the fused op against the float64 oracle, max|x - ref| /",
+        f"  max(max|ref|, {FLOOR:g}); chain: the exact chain's worst against the oracle; '-': not computed.",
+        "bars: fused " + ", ".join(f"{prec} {bar:g}" for prec, bar in bars)
+        + (f"; chain {', '.join(f'{b:g}' for b in chain_bars)}" if chain_bars else "")
+        + "; a case also needs its exact checks (bitwise reruns, placement, zeros where masked).",
+        f"backend {', '.join(sorted({r.backend for r in results}))}; CPU threads per run: {', '.join(threads)}.",
+    ]
 
 
 def to_json(results: list[CaseResult]) -> str:

@@ -100,3 +100,33 @@ def test_an_error_in_the_command_is_one_line(monkeypatch, capsys):
     assert cli.main(["probe"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("hotggml: error: [Errno 21] Is a directory: '/tmp'") and "Traceback" not in err
+
+
+def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path):
+    """SIGINT while a build step runs: the step's process group (cmake, ninja, compilers; its own session, so
+    the terminal's SIGINT does not reach it) is ended, and the command exits 130, not 'build failed'."""
+    import signal
+    import time
+
+    code = ("import sys\nfrom pathlib import Path\nfrom hotggml import build, cli\n"
+            "def step(args):\n"
+            f"    build._run(['sleep', '60'], Path({str(tmp_path / 'log')!r}), Path({str(tmp_path)!r}), 'compile')\n"
+            "    return 0\n"
+            "parser = cli.build_parser()\n"
+            "cli.build_parser = lambda: parser\n"
+            "parser._subparsers._group_actions[0].choices['probe'].set_defaults(func=step)\n"
+            "sys.exit(cli.main(['probe']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    pgid_file = tmp_path / ".build-pgid"
+    deadline = time.monotonic() + 60
+    while not pgid_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pgid = int(pgid_file.read_text())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cli.EXIT_INTERRUPTED, err
+    assert "interrupted" in err and "Traceback" not in err and "failed" not in err
+    from hotggml import procs
+
+    assert not procs.group_members(pgid)
