@@ -72,6 +72,8 @@ class Case:
             raise InputError(f"case {self.name}: masked key beyond Skv")
         if self.window is not None and self.window < 0:
             raise InputError(f"case {self.name}: window must be >= 0 or None")
+        if self.q_view and (self.Nh == 1 or self.S == 1):
+            raise InputError(f"case {self.name}: q_view needs Nh > 1 and S > 1 (else the permuted view is contiguous)")
 
     @property
     def id(self) -> str:
