@@ -58,9 +58,10 @@ def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, s
 
 
 def _recipe_hash() -> str:
-    """Hash of our own build recipe (CMakeLists.txt, the stamp source): a change means a new build."""
+    """Hash of our own build recipe (CMakeLists.txt, the stamp source, the cffi declaration generator): a
+    change means a new build."""
     h = hashlib.sha256()
-    for rel in ("CMakeLists.txt", "hotggml/csrc/stamp.c.in"):
+    for rel in ("CMakeLists.txt", "hotggml/csrc/stamp.c.in", "hotggml/cdefgen.py"):
         h.update((paths.REPO_ROOT / rel).read_bytes())
     return h.hexdigest()
 
@@ -211,6 +212,7 @@ def _cmake(bdir: Path, prep, defines: dict[str, str], jobs: int | None) -> None:
                  f"-DHOTGGML_GGML_SOURCE_DIR={prep.source_dir}",
                  f"-DHOTGGML_PIN={prep.pin}", f"-DHOTGGML_SERIES_HASH={prep.series_hash}",
                  f"-DHOTGGML_CPU_FLAGS={','.join(cpu.isa_flags())}",
+                 f"-DPython_EXECUTABLE={sys.executable}",  # runs hotggml.cdefgen: the interpreter building
                  *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
     _run(configure, log, bdir, "configure")
     _run(["cmake", "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 2)], log, bdir, "compile and link")

@@ -1,11 +1,12 @@
 """cffi (ABI mode) binding to the patched ggml shared libraries.
 
-The cdef below is one unit per ggml header, copied from the pinned v0.15.3 headers plus
-the declarations the ``flash-attn-train`` patch adds. The library is located in this order:
-``$HOTGGML_LIB_DIR``, the package's own ``lib/`` (``pip install .``), then the newest good
-``hotggml build``. At load, the stamp compiled into libggml-base (pin + series hash) is
-compared with what this checkout (or the installed package) expects; a stale library raises
-LibraryError saying how to rebuild.
+The declarations are those a build generated from its own patched headers (``hotggml-cdef.h`` beside the
+libraries, hotggml.cdefgen): every public function, struct and enum of the built tree is callable as
+``load().ggml_...``, and enum values (op ids included) come from there. The library is located in this
+order: ``$HOTGGML_LIB_DIR``, the package's own ``lib/`` (``pip install .``), then the newest good
+``hotggml build``. At load, the stamp compiled into libggml-base (pin + series hash) is compared with what
+this checkout (or the installed package) expects, and the layout of every struct the binding reads with
+the library's own offsets; a stale library or a layout that disagrees raises LibraryError saying why.
 """
 
 from __future__ import annotations
@@ -18,182 +19,39 @@ from pathlib import Path
 
 import cffi
 
+from hotggml.cdefgen import FILE_NAME as CDEF_FILE
 from hotggml.errors import LibraryError
 
-CDEF_GGML = """
-typedef uint16_t ggml_fp16_t;
-enum ggml_type { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_I32 = 26 };
-enum ggml_prec { GGML_PREC_DEFAULT = 0, GGML_PREC_F32 = 10 };
-/* only the values we name; the patch appends the two training ops at the end of the v0.15.3 enum (97 ops) */
-enum ggml_op { GGML_OP_NONE = 0, GGML_OP_FLASH_ATTN_TRAIN = 97, GGML_OP_FLASH_ATTN_TRAIN_BACK = 98, GGML_OP_COUNT = 99 };
-enum ggml_tensor_flag {
-    GGML_TENSOR_FLAG_INPUT = 1, GGML_TENSOR_FLAG_OUTPUT = 2, GGML_TENSOR_FLAG_PARAM = 4,
-    GGML_TENSOR_FLAG_LOSS = 8, GGML_TENSOR_FLAG_COMPUTE = 16,
-};
-
-struct ggml_context;
-struct ggml_cgraph;
-struct ggml_backend_buffer;
-
-struct ggml_init_params {
-    size_t mem_size;
-    void * mem_buffer;
-    bool   no_alloc;
-};
-
-struct ggml_tensor {
-    enum ggml_type type;
-    struct ggml_backend_buffer * buffer;
-    int64_t ne[4];
-    size_t  nb[4];
-    enum ggml_op op;
-    int32_t op_params[16];
-    int32_t flags;
-    struct ggml_tensor * src[10];
-    struct ggml_tensor * view_src;
-    size_t view_offs;
-    void * data;
-    char name[64];
-    void * extra;
-    char padding[8];
-};
-
-struct ggml_context * ggml_init(struct ggml_init_params params);
-void   ggml_free(struct ggml_context * ctx);
-size_t ggml_tensor_overhead(void);
-size_t ggml_used_mem(const struct ggml_context * ctx);
-size_t ggml_graph_overhead_custom(size_t size, bool grads);
-size_t ggml_nbytes(const struct ggml_tensor * tensor);
-int64_t ggml_nelements(const struct ggml_tensor * tensor);
-bool   ggml_is_contiguous(const struct ggml_tensor * tensor);
-const char * ggml_op_name(enum ggml_op op);
-const char * ggml_op_desc(const struct ggml_tensor * t);
-
-struct ggml_tensor * ggml_new_tensor(struct ggml_context * ctx, enum ggml_type type, int n_dims, const int64_t * ne);
-struct ggml_tensor * ggml_set_name(struct ggml_tensor * tensor, const char * name);
-void ggml_set_input(struct ggml_tensor * tensor);
-void ggml_set_output(struct ggml_tensor * tensor);
-void ggml_set_param(struct ggml_tensor * tensor);
-void ggml_set_loss(struct ggml_tensor * tensor);
-
-struct ggml_tensor * ggml_add(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-struct ggml_tensor * ggml_mul(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
-struct ggml_tensor * ggml_sum(struct ggml_context * ctx, struct ggml_tensor * a);
-struct ggml_tensor * ggml_cont(struct ggml_context * ctx, struct ggml_tensor * a);
-struct ggml_tensor * ggml_repeat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask, float scale, float max_bias);
-struct ggml_tensor * ggml_reshape_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
-struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor * a, int axis0, int axis1, int axis2, int axis3);
-struct ggml_tensor * ggml_view_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
-                                  size_t nb1, size_t nb2, size_t nb3, size_t offset);
-
-struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
-void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
-void ggml_build_backward_expand(struct ggml_context * ctx, struct ggml_cgraph * cgraph, struct ggml_tensor ** grad_accs);
-struct ggml_tensor * ggml_graph_get_grad(const struct ggml_cgraph * cgraph, const struct ggml_tensor * node);
-int ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
-struct ggml_tensor * ggml_graph_node(struct ggml_cgraph * cgraph, int i);
-
-/* added by patches/flash-attn-train.patch */
-struct ggml_tensor * ggml_flash_attn_train(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
-                                           struct ggml_tensor * v, struct ggml_tensor * mask, float scale);
-struct ggml_tensor * ggml_flash_attn_train_get_o(struct ggml_context * ctx, struct ggml_tensor * fwd);
-struct ggml_tensor * ggml_flash_attn_train_get_lse(struct ggml_context * ctx, struct ggml_tensor * fwd);
-void ggml_flash_attn_train_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
-enum ggml_prec ggml_flash_attn_train_get_prec(const struct ggml_tensor * a);
-void ggml_flash_attn_train_set_implicit_mask(struct ggml_tensor * a, bool causal, int32_t window);
-bool ggml_flash_attn_train_get_causal(const struct ggml_tensor * a);
-int32_t ggml_flash_attn_train_get_window(const struct ggml_tensor * a);
-struct ggml_tensor * ggml_flash_attn_train_back(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
-                                                struct ggml_tensor * v, struct ggml_tensor * mask,
-                                                struct ggml_tensor * fwd, struct ggml_tensor * d);
-struct ggml_tensor * ggml_flash_attn_train_back_get_dq(struct ggml_context * ctx, struct ggml_tensor * back);
-struct ggml_tensor * ggml_flash_attn_train_back_get_dk(struct ggml_context * ctx, struct ggml_tensor * back);
-struct ggml_tensor * ggml_flash_attn_train_back_get_dv(struct ggml_context * ctx, struct ggml_tensor * back);
-size_t ggml_flash_attn_train_lse_offset(const struct ggml_tensor * fwd);
-size_t ggml_flash_attn_train_back_offset(const struct ggml_tensor * back, int i);
-"""
-
-CDEF_BACKEND = """
-typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
-typedef struct ggml_backend_buffer * ggml_backend_buffer_t;
-typedef struct ggml_backend * ggml_backend_t;
-typedef struct ggml_backend_device * ggml_backend_dev_t;
-typedef struct ggml_backend_reg * ggml_backend_reg_t;
-typedef struct ggml_gallocr * ggml_gallocr_t;
-enum ggml_status { GGML_STATUS_ALLOC_FAILED = -2, GGML_STATUS_FAILED = -1, GGML_STATUS_SUCCESS = 0, GGML_STATUS_ABORTED = 1 };
-
-size_t ggml_backend_dev_count(void);
-ggml_backend_dev_t ggml_backend_dev_get(size_t index);
-ggml_backend_dev_t ggml_backend_dev_by_name(const char * name);
-const char * ggml_backend_dev_name(ggml_backend_dev_t device);
-const char * ggml_backend_dev_description(ggml_backend_dev_t device);
-ggml_backend_t ggml_backend_dev_init(ggml_backend_dev_t device, const char * params);
-bool ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_tensor * op);
-ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
-const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
-void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
-/* flash-attn-train-cuda: the path a FLASH_ATTN_TRAIN(_BACK) node runs on CUDA device `device` */
-typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
-
-void ggml_backend_free(ggml_backend_t backend);
-const char * ggml_backend_name(ggml_backend_t backend);
-ggml_backend_dev_t ggml_backend_get_device(ggml_backend_t backend);
-ggml_backend_buffer_type_t ggml_backend_get_default_buffer_type(ggml_backend_t backend);
-bool ggml_backend_supports_op(ggml_backend_t backend, const struct ggml_tensor * op);
-enum ggml_status ggml_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph);
-void ggml_backend_synchronize(ggml_backend_t backend);
-
-void ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
-void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
-void ggml_backend_tensor_memset(struct ggml_tensor * tensor, uint8_t value, size_t offset, size_t size);
-
-ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors(struct ggml_context * ctx, ggml_backend_t backend);
-void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
-size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
-
-typedef struct ggml_backend_sched * ggml_backend_sched_t;
-ggml_backend_sched_t ggml_backend_sched_new(ggml_backend_t * backends, ggml_backend_buffer_type_t * bufts, int n_backends,
-                                            size_t graph_size, bool parallel, bool op_offload);
-void ggml_backend_sched_free(ggml_backend_sched_t sched);
-void ggml_backend_sched_reset(ggml_backend_sched_t sched);
-void ggml_backend_sched_set_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node, ggml_backend_t backend);
-ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node);
-void ggml_backend_sched_split_graph(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
-bool ggml_backend_sched_alloc_graph(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
-enum ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
-void ggml_backend_sched_synchronize(ggml_backend_sched_t sched);
-int ggml_backend_sched_get_n_splits(ggml_backend_sched_t sched);
-int ggml_backend_sched_get_n_copies(ggml_backend_sched_t sched);
-typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
-void ggml_backend_sched_set_eval_callback(ggml_backend_sched_t sched, ggml_backend_sched_eval_callback callback, void * user_data);
-
-ggml_gallocr_t ggml_gallocr_new(ggml_backend_buffer_type_t buft);
-void ggml_gallocr_free(ggml_gallocr_t galloc);
-bool ggml_gallocr_reserve(ggml_gallocr_t galloc, struct ggml_cgraph * graph);
-bool ggml_gallocr_alloc_graph(ggml_gallocr_t galloc, struct ggml_cgraph * graph);
-size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id);
-void ggml_gallocr_reserve_n_size(ggml_gallocr_t galloc, struct ggml_cgraph * graph, const int * node_buffer_ids,
-                                 const int * leaf_buffer_ids, size_t * sizes);
-"""
-
-CDEF_CPU = """
-void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads);
-"""
-
-CDEF_STAMP = """
+# what the stamp unit (hotggml/csrc/stamp.c.in) exports, and our own typedef for a proc address
+CDEF_EXTRA = """
 const char * hotggml_build_stamp(void);
+const char * hotggml_struct_layout_names(void);
+const size_t * hotggml_struct_layout(void);
+typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
 """
 
 _LIB_NAMES = {"posix": "libggml.so", "darwin": "libggml.dylib", "nt": "ggml.dll"}
 
-ffi = cffi.FFI()
-ffi.cdef(CDEF_GGML)
-ffi.cdef(CDEF_BACKEND)
-ffi.cdef(CDEF_CPU)
-ffi.cdef(CDEF_STAMP)
+ffi = cffi.FFI()  # declared by load(), from the library folder's generated declarations
+_declared: str | None = None  # the generated file whose declarations ffi holds
+
+
+def _declare(lib_dir: Path) -> None:
+    """Give ffi the declarations generated beside the library in lib_dir (once per file: cdef cannot be
+    undone; another folder's declarations override them). LibraryError when the folder has none."""
+    global _declared
+    generated = lib_dir / CDEF_FILE
+    if _declared == str(generated):
+        return
+    if not generated.is_file():
+        raise LibraryError(f"{lib_dir} has no {CDEF_FILE} (the declarations a build generates from its headers; "
+                           "an older build recipe): rebuild with `hotggml build --backend cpu` (or `pip install .`)")
+    text = generated.read_text()
+    try:
+        ffi.cdef(text + CDEF_EXTRA, override=_declared is not None)
+    except (cffi.CDefError, cffi.FFIError) as exc:
+        raise LibraryError(f"{generated} cannot be declared to cffi ({exc}); rebuild with `hotggml build`") from exc
+    _declared = str(generated)
 
 
 def _package_lib_dir() -> Path:
@@ -277,6 +135,7 @@ def load():
     """
     lib_dir = find_lib_dir()
     path = lib_dir / _lib_file_name()
+    _declare(lib_dir)
     try:
         _preload_dependencies(lib_dir)
         lib = ffi.dlopen(str(path))
@@ -287,6 +146,7 @@ def load():
     shadowed = _shadowed_message(lib_dir)
     if shadowed:
         raise LibraryError(shadowed)
+    check_layout(lib, path)
     check_cpu(lib_dir)
     got, want = parse_stamp(stamp), expected_stamp(lib_dir)
     if got != want:
@@ -337,6 +197,33 @@ def _shadowed_message(lib_dir: Path) -> str | None:
            "process of its own")
     return (f"{', '.join(map(str, foreign))} loaded beside the patched libraries in {lib_dir}; {why}. "
             "A rebuild cannot help.")
+
+
+def layout_mismatches(lib) -> list[str]:
+    """The struct offsets and sizes where ffi's declarations disagree with the library's (its stamp unit
+    exports them): 'ggml_tensor.op_params: binding 88, library 84'."""
+    names = ffi.string(lib.hotggml_struct_layout_names()).decode().split(";")
+    values = lib.hotggml_struct_layout()
+    bad = []
+    for i, name in enumerate(names):
+        struct, _, field = name.partition(".")
+        mine = ffi.offsetof(f"struct {struct}", field) if field else ffi.sizeof(f"struct {struct}")
+        if mine != values[i]:
+            bad.append(f"{name}: binding {mine}, library {values[i]}")
+    return bad
+
+
+def check_layout(lib, path: Path) -> None:
+    """LibraryError naming each struct field whose offset (or struct whose size) differs between the
+    binding's declarations and the library: reading a tensor's ne through a wrong offset gives garbage."""
+    try:
+        bad = layout_mismatches(lib)
+    except AttributeError:  # a library whose stamp unit predates the layout export
+        raise LibraryError(f"{path} does not export its struct layout (an older build recipe): rebuild with "
+                           "`hotggml build`") from None
+    if bad:
+        raise LibraryError(f"the binding's declarations disagree with {path}: {'; '.join(bad)}; rebuild with "
+                           "`hotggml build` (its declarations are generated from the same headers)")
 
 
 def check_cpu(lib_dir: Path) -> None:

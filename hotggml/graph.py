@@ -282,6 +282,18 @@ class Graph:
     def _wrap(self, ptr) -> Tensor:
         return Tensor(self, ptr)
 
+    def wrap(self, ptr) -> Tensor:
+        """Adopt a tensor made by a raw call of the generated API in this graph's context (``g.ctx``), e.g.
+        ``g.wrap(g.lib.ggml_soft_max_ext_back(g.ctx, dy.ptr, y.ptr, 1.0, 0.0))``. The raw call itself is
+        unchecked: ggml's own asserts apply there (hotggml.errors cover only the binding's methods).
+        Raises InputError for a NULL pointer, InputTypeError for anything but a tensor pointer."""
+        self.own()
+        if not isinstance(ptr, ffi.CData) or ffi.typeof(ptr) is not ffi.typeof("struct ggml_tensor *"):
+            raise InputTypeError(f"wrap needs a struct ggml_tensor * from a ggml call, got {ptr!r}")
+        if ptr == ffi.NULL:
+            raise InputError("wrap got NULL: the ggml call failed")
+        return Tensor(self, ptr)
+
     def own(self, *tensors) -> None:
         """Raise InputTypeError unless every argument is a Tensor of this (open) Graph, and InputError when
         the context has no room left for the tensors one more call creates.

@@ -53,7 +53,7 @@ def _set_prec(t: Tensor, prec: str) -> None:
 
 def get_prec(t: Tensor) -> str:
     """Requested precision of a flash_attn_train(_back) node: 'default' or 'f32'."""
-    if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
+    if t.op not in (op_id("FLASH_ATTN_TRAIN"), op_id("FLASH_ATTN_TRAIN_BACK")):
         raise InputError(f"get_prec needs a flash_attn_train(_back) node, got a {t.op_name} node")
     return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
 
@@ -92,19 +92,33 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
 
 def get_implicit_mask(t: Tensor) -> tuple[bool, int | None]:
     """(causal, window or None) of a flash_attn_train(_back) node, as its op_params say."""
-    if t.op not in (OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK):
+    if t.op not in (op_id("FLASH_ATTN_TRAIN"), op_id("FLASH_ATTN_TRAIN_BACK")):
         raise InputError(f"get_implicit_mask needs a flash_attn_train(_back) node, got a {t.op_name} node")
     window = int(t.graph.lib.ggml_flash_attn_train_get_window(t.ptr))
     return bool(t.graph.lib.ggml_flash_attn_train_get_causal(t.ptr)), (None if window < 0 else window)
 
 
-OP_FLASH_ATTN_TRAIN = 97       # enum ggml_op values the flash-attn-train patch appends
-OP_FLASH_ATTN_TRAIN_BACK = 98
+def op_id(name: str) -> int:
+    """The enum ggml_op value of GGML_OP_<name> in the loaded library's declarations (generated from its
+    headers: the patch appends the training ops, so their ids are the built tree's, not literals)."""
+    from hotggml.ffi import load
+
+    try:
+        return int(getattr(load(), f"GGML_OP_{name}"))
+    except AttributeError:
+        raise InputError(f"the loaded ggml has no GGML_OP_{name}") from None
+
+
+def __getattr__(name: str) -> int:
+    """OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK (and any OP_<NAME>): op ids read when first used."""
+    if name.startswith("OP_"):
+        return op_id(name[3:])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _need_op(t: Tensor, op: int, what: str) -> None:
     if t.op != op:
-        want = "flash_attn_train" if op == OP_FLASH_ATTN_TRAIN else "flash_attn_train_back"
+        want = "flash_attn_train" if op == op_id("FLASH_ATTN_TRAIN") else "flash_attn_train_back"
         raise InputError(f"{what} must be a {want} node, got a {t.op_name} node")
 
 
@@ -118,12 +132,12 @@ def _view(node: Tensor, op: int, what: str, getter: str) -> Tensor:
 
 def get_o(fwd: Tensor) -> Tensor:
     """View O [Dv, Nh, S, B] of a packed forward."""
-    return _view(fwd, OP_FLASH_ATTN_TRAIN, "fwd", "ggml_flash_attn_train_get_o")
+    return _view(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd", "ggml_flash_attn_train_get_o")
 
 
 def get_lse(fwd: Tensor) -> Tensor:
     """View LSE [Nh, S, B] of a packed forward."""
-    return _view(fwd, OP_FLASH_ATTN_TRAIN, "fwd", "ggml_flash_attn_train_get_lse")
+    return _view(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd", "ggml_flash_attn_train_get_lse")
 
 
 def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
@@ -132,7 +146,7 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
     Precision and scale are copied from fwd. Views: get_dq, get_dk, get_dv.
     """
     g.own(fwd, d)
-    _need_op(fwd, OP_FLASH_ATTN_TRAIN, "fwd")
+    _need_op(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
     if d.dtype != np.float32 or not d.is_contiguous():
         raise InputTypeError("d must be contiguous float32")
@@ -144,14 +158,14 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
 
 def get_dq(back: Tensor) -> Tensor:
     """View dQ (contiguous, shape of q) of a packed backward."""
-    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dq")
+    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dq")
 
 
 def get_dk(back: Tensor) -> Tensor:
     """View dK (contiguous, shape of k) of a packed backward."""
-    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dk")
+    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dk")
 
 
 def get_dv(back: Tensor) -> Tensor:
     """View dV (contiguous, shape of v) of a packed backward."""
-    return _view(back, OP_FLASH_ATTN_TRAIN_BACK, "back", "ggml_flash_attn_train_back_get_dv")
+    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dv")

@@ -31,8 +31,6 @@ from hotggml.probe import probe
 BARS = {"f32": 1e-4, "tf32": 5e-3}
 FLOOR = 1e-5
 OUTPUTS = ("O", "LSE", "dQ", "dK", "dV")
-OP_FLASH_ATTN_TRAIN = ops.OP_FLASH_ATTN_TRAIN
-OP_FLASH_ATTN_TRAIN_BACK = ops.OP_FLASH_ATTN_TRAIN_BACK
 
 
 def natural_magnitudes(case: Case) -> dict[str, float]:
@@ -142,7 +140,7 @@ def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
     o, lse = ops.get_o(fwd), ops.get_lse(fwd)
     terms = [(o, x["do"])] + ([(lse, x["dlse"])] if case.lse_loss else [])
     g.build([o, lse], g.dot_loss(terms))
-    fused = g.find_nodes(OP_FLASH_ATTN_TRAIN) + g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK)
+    fused = g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN")) + g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN_BACK"))
     if len(fused) != 2:
         raise BackendError(f"expected one fused forward and one fused backward node, found {len(fused)}")
     return FusedGraph(q_leaf, k, v, fwd, o, lse, fused)

@@ -17,8 +17,6 @@ from hotggml.errors import BackendError, LibraryError
 from hotggml.graph import Backend, Graph, Tensor
 from hotggml.parity import rel_err
 
-OP_FLASH_ATTN_TRAIN = 97
-OP_FLASH_ATTN_TRAIN_BACK = 98
 BAR = 1e-4  # SPEC §6: f32 worst relative error
 
 
@@ -212,7 +210,7 @@ def test_grad_of_permuted_param_in_logical_shape(cpu):
         g.build([o], g.dot_loss([(o, do)]))
         raw = Tensor(g, g.lib.ggml_graph_get_grad(g.gf, base.ptr))
         assert not raw.is_contiguous(), "test is vacuous: the param's gradient is not a strided view"
-        g.compute(poison=g.find_nodes(OP_FLASH_ATTN_TRAIN) + g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK))
+        g.compute(poison=g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN")) + g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN_BACK")))
         dq_base = g.grad(base)
         dk, dv = g.grad(k), g.grad(v)
     rq, rk, rv = oracle.attention_backward(qn, kn, vn, None, scale, do.transpose(0, 2, 1, 3))
@@ -264,10 +262,10 @@ def test_precision_request_reaches_backward(cpu, prec):
         assert ops.get_prec(fwd) == prec
         o = ops.get_o(fwd)
         g.build([o], g.dot_loss([(o, np.ones((1, 5, 2, 6), np.float32))]))
-        backs = g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK)
+        backs = g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN_BACK"))
         assert len(backs) == 1
         assert ops.get_prec(backs[0]) == prec
-        fwds = g.find_nodes(OP_FLASH_ATTN_TRAIN)
+        fwds = g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN"))
         assert len(fwds) == 1 and ops.get_prec(fwds[0]) == prec
 
 
@@ -354,7 +352,7 @@ def test_autodiff_adds_to_existing_gradient(cpu):
         fwd = ops.flash_attn_train(g, q, k, v, None, scale, "f32")
         o = ops.get_o(fwd)
         g.build([o], g.dot_loss([(o, w), (q, w2)]))
-        g.compute(poison=g.find_nodes(OP_FLASH_ATTN_TRAIN) + g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK))
+        g.compute(poison=g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN")) + g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN_BACK")))
         gq, gk, gv = g.grad(q), g.grad(k), g.grad(v)
     rq, rk, rv = oracle.attention_backward(qn, kn, vn, None, scale, w.transpose(0, 2, 1, 3))
     want = rq + w2
@@ -420,7 +418,7 @@ def _fused_fwd_bwd(be: Backend, seed=9):
     fwd = ops.flash_attn_train(g, q, k, v, m, scale, "f32")
     o, lse = ops.get_o(fwd), ops.get_lse(fwd)
     g.build([o, lse], g.dot_loss([(o, do)]))
-    fused = g.find_nodes(OP_FLASH_ATTN_TRAIN) + g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK)
+    fused = g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN")) + g.find_nodes(ops.op_id("FLASH_ATTN_TRAIN_BACK"))
     assert len(fused) == 2
 
     def run():
