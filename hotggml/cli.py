@@ -26,11 +26,12 @@ COMMANDS: dict[str, str] = {
     "bench": "hotggml.cli:add_bench_parser",
     "probe": "hotggml.cli:add_probe_parser",
     "floor": "hotggml.cli:add_floor_parser",
+    "pin": "hotggml.cli:add_pin_parser",
 }
 
 
 # commands that work on the repository's patches/ and vendor/ggml: refused, by name, from an installed package
-NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor"}
+NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor", "pin"}
 
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -567,3 +568,59 @@ def _run_floor(args: argparse.Namespace) -> int:
         print(floor.format_ops(verdicts, mode, device), flush=True)
         bad |= any(not v.ok for v in verdicts)
     return 1 if bad else 0
+
+
+# -- pin ----------------------------------------------------------------------------------
+
+def add_pin_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `pin show` and `pin set SOURCE | --continue | --abort`."""
+    parser = subparsers.add_parser("pin", help="show the pin, or move the series onto a new one (a 3-way rebase)")
+    sub = parser.add_subparsers(title="actions", metavar="ACTION", dest="action", required=True)
+    show = sub.add_parser("show", help="print the pin's record (hotggml/pin.json)")
+    show.set_defaults(func=_run_pin_show)
+    put = sub.add_parser("set", help="rebase the series onto the pin made from SOURCE; on a conflict it stops "
+                                     "(resolve with git in the work repo, then --continue), --abort undoes it",
+                         formatter_class=_DefaultsShown, epilog=EPILOG)
+    put.add_argument("source", nargs="?", help="a tarball with a ggml tree (an sdist, or one top folder), or a "
+                                               "commit of vendor/ggml's repository")
+    put.add_argument("--tag", help="a label for the new pin (default: the tarball's name or the commit)")
+    put.add_argument("--upstream-commit", help="upstream's commit id of the tarball's tree (default: its tree hash)")
+    what = put.add_mutually_exclusive_group()
+    what.add_argument("--continue", dest="resume", action="store_true", help="go on after resolving a conflict")
+    what.add_argument("--abort", action="store_true", help="restore the previous pin, series and work repo")
+    put.set_defaults(func=_run_pin_set)
+
+
+def _run_pin_show(args: argparse.Namespace) -> int:
+    import json
+
+    from hotggml import pin_record
+
+    print(json.dumps(pin_record.read(), indent=2))
+    return EXIT_OK
+
+
+def _run_pin_set(args: argparse.Namespace) -> int:
+    from hotggml import rebase
+    from hotggml.errors import InputError
+
+    if args.abort:
+        record = rebase.abort()
+        print(f"aborted: the pin is ggml {record['tag']} ({record['pin_commit'][:12]}), patches/ and the work repo "
+              "as they were")
+        return EXIT_OK
+    if args.resume:
+        outcome = rebase.resume()
+    elif args.source:
+        outcome = rebase.start(args.source, tag=args.tag, upstream=args.upstream_commit)
+    else:
+        raise InputError("pin set needs a SOURCE, --continue or --abort")
+    record = outcome.record
+    if outcome.status == "conflict":
+        print(f"hotggml: pin set stopped: patch {outcome.patch} conflicts with ggml {record['tag']} in "
+              f"{', '.join(outcome.files) or '(see git status)'}; resolve in {rebase.patches.default_tree()} "
+              "(edit, git add), then `hotggml pin set --continue`, or `hotggml pin set --abort`", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(f"pin set: ggml {record['tag']} (pin commit {record['pin_commit'][:12]}); the series is rebased and "
+          "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced")
+    return EXIT_OK

@@ -8,7 +8,7 @@ Each patch is `git format-patch` output whose commit message carries trailers:
     Marker: <path>: <string>      <string> must be in <path> once this patch is applied
 
 The patched work tree (WORK_DIR/ggml by default) is a clone of the pin with one
-commit per patch on branch `hotggml`; refs/tags/hotggml-pin marks the pin. Commit
+commit per patch on branch `hotggml`; refs/hotggml/pin marks the pin. Commit
 ids are deterministic (fixed committer, committer date = author date), and export
 uses fixed format-patch flags, so apply-then-export reproduces the files byte for byte.
 
@@ -383,7 +383,7 @@ def _series_commits(repo: git.Repo, strict: bool = True) -> list[tuple[str, str]
     strict: a commit without a valid Patch-Name trailer or with Markers missing raises
     PatchError; otherwise such commits are reported under their short id.
     """
-    base = gitutil.rev_parse(repo, pin.PIN_REF)
+    base = pin.pin_ref(repo)
     if base is None:
         raise PatchError(f"{repo.working_tree_dir} has no {pin.PIN_REF} ref: it is not a patched work "
                          f"tree; run `hotggml patches apply`")
@@ -416,7 +416,7 @@ def status(*, patches_dir: Path | str | None = None, tree: Path | str | None = N
     repo = gitutil.open_repo(tree)
     in_tree: list[tuple[str, str]] = []
     recorded = None
-    if repo is not None and gitutil.rev_parse(repo, pin.PIN_REF):
+    if repo is not None and pin.pin_ref(repo):
         in_tree = _series_commits(repo, strict=False)
         recorded = gitutil.config_get(repo, CONFIG_SERIES)
     names = {name for name, _ in in_tree}

@@ -27,18 +27,26 @@ import git
 from hotggml import gitutil, paths, procs
 from hotggml.errors import PinError
 from hotggml.pin_record import (  # noqa: F401 (the pin's constants live there; re-exported)
-    SDIST_ENV, SDIST_FILE, SDIST_PIN_COMMIT, SDIST_PREFIX, SDIST_REQUIREMENT, SDIST_SHA256, TAG, TREES, UPSTREAM_COMMIT,
+    RECORD, SDIST_ENV, SDIST_FILE, SDIST_PIN_COMMIT, SDIST_PREFIX, SDIST_REQUIREMENT, SDIST_SHA256, TAG, TREES,
+    UPSTREAM_COMMIT, pin_message,
 )
 
-PIN_REF = "refs/tags/hotggml-pin"
+PIN_REF = "refs/hotggml/pin"  # private: `git push --tags` does not publish it
+LEGACY_PIN_REF = "refs/tags/hotggml-pin"  # what older versions marked the pin with (a tag): moved on sight
+
+
+def pin_ref(repo: git.Repo) -> str | None:
+    """The commit PIN_REF marks in repo; a legacy tag is moved to PIN_REF (and deleted) on the way."""
+    sha = gitutil.rev_parse(repo, PIN_REF)
+    if sha is None:
+        sha = gitutil.rev_parse(repo, LEGACY_PIN_REF)
+        if sha is not None:
+            gitutil.set_ref(repo, PIN_REF, sha)
+            gitutil.run(repo, "update-ref", "-d", LEGACY_PIN_REF)
+    return sha
 PIN_BRANCH = "pin"
 PIN_IDENTITY = gitutil.Identity("hotggml", "hotggml@invalid", "2025-01-01 00:00:00 +0000")
-PIN_MESSAGE = (
-    f"ggml {TAG} (upstream {UPSTREAM_COMMIT})\n\n"
-    f"Materialized by hotggml from {SDIST_FILE} (sha256 {SDIST_SHA256}),\n"
-    f"members {SDIST_PREFIX}. Trees src, include, cmake, tests and CMakeLists.txt\n"
-    f"match upstream {TAG} byte for byte.\n"
-)
+PIN_MESSAGE = pin_message(RECORD)
 
 _TMP_PREFIX = ".{name}.tmp-"
 _PIP_TIMEOUT_S = 600
@@ -77,7 +85,8 @@ def pin_commit(path: Path | str | None = None) -> str:
 
 
 def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
-          cache_dir: Path | str | None = None, use_pip: bool = True, force: bool = False) -> FetchResult:
+          cache_dir: Path | str | None = None, use_pip: bool = True, force: bool = False,
+          record: dict | None = None) -> FetchResult:
     """Materialize the pristine pin into `dest` (default vendor/ggml) and return what happened.
 
     Sources, first that works: `dest` already the verified pin (nothing to do); the
@@ -90,17 +99,18 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
     Raises PinError: dirty or foreign tree at `dest`, no reachable source, wrong
     checksum, or an sdist whose trees do not match the pin.
     """
+    record = record or RECORD
     dest = Path(dest) if dest else paths.VENDOR_DIR
     cache = Path(cache_dir) if cache_dir else paths.cache_dir()
-    existing = _existing_pin(dest, force)
+    existing = _existing_pin(dest, force, record)
     if existing:
         return FetchResult(dest, existing, "existing", changed=False)
-    tarball, source = _find_tarball(sdist, cache, use_pip)
-    _check_sha256(tarball)
+    tarball, source = _find_tarball(sdist, cache, use_pip, record)
+    _check_sha256(tarball, record)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with paths.lock(dest):
         _remove_stale_temps(dest)
-        commit = _materialize(tarball, dest)
+        commit = _materialize(tarball, dest, record)
     return FetchResult(dest, commit, source, changed=True)
 
 
@@ -114,18 +124,24 @@ def _open(path: Path) -> git.Repo:
 
 
 _FIX_FORCE = "this is not the pin; run `hotggml fetch --force` to replace it with the pristine pin"
-_FIX_SDIST = f"this sdist does not carry ggml {TAG}; delete it and fetch {SDIST_REQUIREMENT} again"
 
 
-def _check_trees(repo: git.Repo, where: str, fix: str) -> None:
+def _fix_source(record: dict) -> str:
+    source = record["source"]
+    again = f"fetch {source['requirement']} again" if source.get("requirement") else f"get {source['file']} again"
+    return f"this source does not carry ggml {record['tag']}; delete it and {again}"
+
+
+def _check_trees(repo: git.Repo, where: str, fix: str, record: dict | None = None) -> None:
+    record = record or RECORD
     if gitutil.rev_parse(repo, "HEAD") is None:
         raise PinError(f"{where} has no commit: {fix}")
-    found = gitutil.tree_entries(repo, "HEAD", list(TREES))
-    for name, expected in TREES.items():
+    found = gitutil.tree_entries(repo, "HEAD", list(record["trees"]))
+    for name, expected in record["trees"].items():
         actual = found.get(name)
         if actual != expected:
             raise PinError(f"pinned ggml tree {name!r} is {actual or 'missing'}, expected {expected} "
-                           f"(ggml {TAG}) in {where}: {fix}")
+                           f"(ggml {record['tag']}) in {where}: {fix}")
 
 
 def _check_clean(repo: git.Repo, path: Path) -> None:
@@ -140,7 +156,7 @@ def _check_clean(repo: git.Repo, path: Path) -> None:
         )
 
 
-def _existing_pin(dest: Path, force: bool) -> str | None:
+def _existing_pin(dest: Path, force: bool, record: dict | None = None) -> str | None:
     """Return the commit when `dest` already is the verified pin; None when it may be replaced."""
     if not dest.exists() or not any(dest.iterdir()):
         return None
@@ -152,68 +168,78 @@ def _existing_pin(dest: Path, force: bool) -> str | None:
                        f"or run `hotggml fetch --force` to replace it")
     _check_clean(repo, dest)  # never throw away uncommitted work, even with force
     try:
-        _check_trees(repo, str(dest), _FIX_FORCE)
+        _check_trees(repo, str(dest), _FIX_FORCE, record)
     except PinError:
         if force:
             return None
         raise
     commit = gitutil.rev_parse(repo, "HEAD")
-    if gitutil.rev_parse(repo, PIN_REF) != commit:
+    if pin_ref(repo) != commit:
         gitutil.set_ref(repo, PIN_REF, commit)
     return commit
 
 
 # -- sources ------------------------------------------------------------------------------
 
-def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool) -> tuple[Path, str]:
+def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool, record: dict) -> tuple[Path, str]:
+    name = record["source"]["file"]
     explicit = sdist or os.environ.get(SDIST_ENV)
     if explicit:
         tarball = Path(explicit).expanduser()
         if not tarball.is_file():
             origin = "--sdist" if sdist else SDIST_ENV
             raise PinError(f"the ggml sdist given by {origin} ({tarball}) does not exist: point it at "
-                           f"{SDIST_FILE}, or unset it to use {cache / SDIST_FILE} or pip")
-        return tarball, f"tarball {tarball}"
-    cached = cache / SDIST_FILE
+                           f"{name}, or unset it to use {cache / name} or pip")
+        # $HOTGGML_GGML_SDIST names one source; after `hotggml pin set` the pin may have another (in the cache)
+        if sdist or sha256_of(tarball) == record["source"]["sha256"]:
+            return tarball, f"tarball {tarball}"
+    cached = cache / name
     if cached.is_file():
         return cached, f"tarball {cached}"
-    if not use_pip:
-        raise _no_source(cache, "pip is disabled")
-    return _pip_download(cache), "pip"
+    if not use_pip or not record["source"].get("requirement"):
+        raise _no_source(cache, "pip is disabled" if not use_pip else "the pin's source is a tarball", record)
+    return _pip_download(cache, record), "pip"
 
 
-def _no_source(cache: Path, why: str) -> PinError:
-    return PinError(
-        f"no source for the pinned ggml ({why}): put {SDIST_FILE} in {cache} or set {SDIST_ENV} "
-        f"to its path, or check that pip's configured index serves {SDIST_REQUIREMENT} "
-        f"(`{sys.executable} -m pip download --no-deps --no-binary :all: {SDIST_REQUIREMENT}`)"
-    )
+def _no_source(cache: Path, why: str, record: dict) -> PinError:
+    source = record["source"]
+    pip = (f", or check that pip's configured index serves {source['requirement']} (`{sys.executable} -m pip "
+           f"download --no-deps --no-binary :all: {source['requirement']}`)" if source.get("requirement") else "")
+    return PinError(f"no source for the pinned ggml ({why}): put {source['file']} in {cache} or set {SDIST_ENV} "
+                    f"to its path{pip}")
 
 
-def _pip_download(cache: Path) -> Path:
+def _pip_download(cache: Path, record: dict) -> Path:
     # Through pip, by name: the index is whatever pip is configured with, never ours to choose.
+    source = record["source"]
     cache.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               SDIST_REQUIREMENT, "-d", str(cache)]
+               source["requirement"], "-d", str(cache)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise _no_source(cache, f"pip download failed: {exc}") from exc
-    tarball = cache / SDIST_FILE
+        raise _no_source(cache, f"pip download failed: {exc}", record) from exc
+    tarball = cache / source["file"]
     if done.returncode != 0 or not tarball.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise _no_source(cache, "pip download failed: " + " | ".join(tail))
+        raise _no_source(cache, "pip download failed: " + " | ".join(tail), record)
     return tarball
 
 
-def _check_sha256(tarball: Path) -> None:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(tarball, "rb") as handle:
+    with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    if digest.hexdigest() != SDIST_SHA256:
-        raise PinError(f"{tarball} has sha256 {digest.hexdigest()}, expected {SDIST_SHA256} "
-                       f"({SDIST_FILE}): delete it and run `hotggml fetch` again")
+    return digest.hexdigest()
+
+
+def _check_sha256(tarball: Path, record: dict | None = None) -> None:
+    source = (record or RECORD)["source"]
+    got = sha256_of(tarball)
+    if got != source["sha256"]:
+        raise PinError(f"{tarball} has sha256 {got}, expected {source['sha256']} "
+                       f"({source['file']}): delete it and run `hotggml fetch` again")
 
 
 # -- materialization ----------------------------------------------------------------------
@@ -226,14 +252,15 @@ def _remove_stale_temps(dest: Path) -> None:
     procs.remove_tree(dest.with_name(f".{dest.name}.old"))
 
 
-def _materialize(tarball: Path, dest: Path) -> str:
+def _materialize(tarball: Path, dest: Path, record: dict | None = None) -> str:
+    record = record or RECORD
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=_TMP_PREFIX.format(name=dest.name)))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the tree is not
     try:
-        extract_vendor_tree(tarball, tmp)
+        extract_vendor_tree(tarball, tmp, record["source"]["prefix"])
         repo = gitutil.init_repo(tmp, initial_branch=PIN_BRANCH)
-        commit = gitutil.commit_all(repo, PIN_MESSAGE, PIN_IDENTITY)
-        _check_trees(repo, str(tarball), _FIX_SDIST)
+        commit = gitutil.commit_all(repo, pin_message(record), PIN_IDENTITY)
+        _check_trees(repo, str(tarball), _fix_source(record), record)
         gitutil.set_ref(repo, PIN_REF, commit)
         repo.close()
         _swap_into_place(tmp, dest)
@@ -267,7 +294,7 @@ def extract_vendor_tree(tarball: Path | str, out: Path | str, prefix: str = SDIS
             else:
                 raise PinError(f"{tarball}: member {member.name} is a link or device; refusing to extract it")
     if count == 0:
-        raise PinError(f"{tarball} has no members under {prefix}: it is not the {SDIST_FILE} sdist")
+        raise PinError(f"{tarball} has no members under {prefix}: it does not carry the pinned ggml tree")
     return count
 
 

@@ -1,22 +1,63 @@
-"""The pin's record: which upstream ggml this fork is built on and how its trees are verified (data only:
-hotggml.pin materializes and checks it with git; the binding reads the commit without importing git)."""
+"""The pin's record: which upstream ggml this fork is built on, where its source comes from, and the git tree
+hashes that prove a tree is it. Data, in ``hotggml/pin.json``: ``hotggml pin set`` rewrites it when a rebase
+onto a new pin ends well, and nothing else does. Read without git (the binding checks its library's stamp
+against the commit here).
 
-TAG = "v0.15.3"
-UPSTREAM_COMMIT = "eced84c86f8b012c752c016f7fe789adea168e1e"
-TREES = {
-    "src": "415371feadc9f45b16a3edccfefca3ef6a2bcbf9",
-    "include": "677d7564fb4d2684f8636199b703c5b1605d6bc6",
-    "cmake": "ec954fa0a2ab3d466bd16114b71b846b6093c6c8",
-    "tests": "150f9ecd0f73d06a70f66b171bf8b2ffc98bd561",
-    "CMakeLists.txt": "0ec62a3773d6024fd7d5c849af65aab04cd10583",
-}
+Record fields: ``tag`` (a label), ``upstream_commit`` (upstream's commit id, or the materialized commit for a
+pin without one), ``trees`` (git tree hashes of src, include, cmake, tests, CMakeLists.txt), ``source``
+(``kind`` "sdist" or "tarball", ``file``, ``sha256``, ``prefix`` of the ggml tree inside it, and for an sdist
+the pip ``requirement`` that fetches it), ``pin_commit`` (the commit fetch makes from the source: fixed
+identity, date and message, so the same on every machine).
+"""
 
-SDIST_REQUIREMENT = "ggml-python==0.0.45"
-SDIST_FILE = "ggml_python-0.0.45.tar.gz"
-SDIST_SHA256 = "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05"
-SDIST_PREFIX = "ggml_python-0.0.45/vendor/ggml/"
-SDIST_ENV = "HOTGGML_GGML_SDIST"
+from __future__ import annotations
 
-# The commit fetch() makes from the sdist (fixed identity, date, message): the same
-# everywhere. A pin from an initialized submodule is UPSTREAM_COMMIT instead.
-SDIST_PIN_COMMIT = "5ae48ca012b48cc80be742a195374919b4abd744"
+import json
+import os
+from pathlib import Path
+
+from hotggml.errors import PinError
+
+RECORD_FILE = Path(__file__).with_name("pin.json")
+SDIST_ENV = "HOTGGML_GGML_SDIST"  # a path to the pin's source tarball, used before the cache and pip
+TREE_NAMES = ("src", "include", "cmake", "tests", "CMakeLists.txt")
+
+
+def read(path: Path | str = RECORD_FILE) -> dict:
+    """The record at path (default the package's pin.json), checked for its fields."""
+    record = json.loads(Path(path).read_text())
+    missing = [k for k in ("tag", "upstream_commit", "trees", "source", "pin_commit") if k not in record]
+    missing += [f"source.{k}" for k in ("kind", "file", "sha256", "prefix") if k not in record.get("source", {})]
+    missing += [f"trees.{k}" for k in TREE_NAMES if k not in record.get("trees", {})]
+    if missing:
+        raise PinError(f"{path}: the pin record lacks {', '.join(missing)}")
+    return record
+
+
+def write(record: dict, path: Path | str = RECORD_FILE) -> None:
+    """Replace the record at path atomically (a reader sees the old record or the new one, never half)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def pin_message(record: dict) -> str:
+    """The message of the commit fetch makes from the record's source (part of what fixes its id)."""
+    source = record["source"]
+    return (f"ggml {record['tag']} (upstream {record['upstream_commit']})\n\n"
+            f"Materialized by hotggml from {source['file']} (sha256 {source['sha256']}),\n"
+            f"members {source['prefix']}. Trees src, include, cmake, tests and CMakeLists.txt\n"
+            f"match upstream {record['tag']} byte for byte.\n")
+
+
+_RECORD = read()
+RECORD: dict = _RECORD
+TAG: str = _RECORD["tag"]
+UPSTREAM_COMMIT: str = _RECORD["upstream_commit"]
+TREES: dict[str, str] = dict(_RECORD["trees"])
+SDIST_REQUIREMENT: str | None = _RECORD["source"].get("requirement")
+SDIST_FILE: str = _RECORD["source"]["file"]
+SDIST_SHA256: str = _RECORD["source"]["sha256"]
+SDIST_PREFIX: str = _RECORD["source"]["prefix"]
+SDIST_PIN_COMMIT: str = _RECORD["pin_commit"]

@@ -1,0 +1,243 @@
+"""Moving the fork onto a new pin: ``hotggml pin set SOURCE``, ``--continue``, ``--abort``.
+
+SOURCE is a tarball holding a ggml tree (an sdist with ``<name>/vendor/ggml/``, or a plain source tarball
+with one top folder) or a commit of the repository at vendor/ggml. The new tree is committed with the fixed
+identity fetch uses (so its commit is the same on every machine), its tree hashes computed, and the series
+re-applied onto it in the work repo by ``git rebase`` (a 3-way merge per patch). On a conflict the rebase
+stops, naming the patch and the files, and the work repo is left as git leaves it: resolve with ordinary git
+(edit, ``git add``), then ``hotggml pin set --continue``; or ``hotggml pin set --abort``, which restores the
+previous pin record, series and work repo byte for byte (builds are keyed by pin and series and never
+touched). Only when the rebase ends well are patches/ re-exported, the pin's record (hotggml/pin.json)
+rewritten and vendor/ggml replaced by the new pin. The new pin's upstream head is marked in the work repo by
+the private ref PIN_REF (``refs/hotggml/...``: ``git push --tags`` does not publish it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from hotggml import gitutil, patches, paths, pin, pin_record
+from hotggml.errors import PatchError, PinError
+
+NEW_PIN_REF = "refs/hotggml/new-pin"
+STATE_NAME = "pin-set"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What pin set did: 'done' (record, series and vendor/ggml moved) or 'conflict' (stopped)."""
+
+    status: str
+    record: dict
+    patch: str | None = None       # the patch whose commit stopped the rebase
+    files: tuple[str, ...] = ()    # its conflicting files
+
+
+def state_dir() -> Path:
+    return paths.state_dir() / STATE_NAME
+
+
+def in_progress() -> bool:
+    return (state_dir() / "state.json").is_file()
+
+
+# -- the new pin ----------------------------------------------------------------------------
+
+def _tree_prefix(tarball: Path) -> str:
+    """The folder of the ggml tree inside tarball: ``<x>/vendor/ggml/`` (an sdist) or ``<top>/``."""
+    with tarfile.open(tarball, "r:*") as archive:
+        names = archive.getnames()
+    for name in names:
+        if name.endswith("/vendor/ggml/CMakeLists.txt"):
+            return name[: -len("CMakeLists.txt")]
+    tops = {n.split("/", 1)[0] for n in names}
+    if len(tops) == 1:
+        top = tops.pop()
+        if f"{top}/CMakeLists.txt" in names and any(n.startswith(f"{top}/src/") for n in names):
+            return f"{top}/"
+    raise PinError(f"{tarball} holds no ggml tree (neither <name>/vendor/ggml/ nor one top folder with "
+                   "CMakeLists.txt and src/)")
+
+
+def _record_for_tarball(tarball: Path, tag: str | None, upstream: str | None) -> tuple[dict, Path]:
+    """The new pin's record, and a repository holding its commit (made exactly as fetch will make it)."""
+    prefix = _tree_prefix(tarball)
+    scratch = Path(tempfile.mkdtemp(prefix="hotggml-new-pin-"))
+    pin.extract_vendor_tree(tarball, scratch, prefix)
+    repo = gitutil.init_repo(scratch, initial_branch=pin.PIN_BRANCH)
+    gitutil.run(repo, "add", "-A")
+    root_tree = gitutil.run(repo, "write-tree")
+    trees = {name: gitutil.run(repo, "rev-parse", f"{root_tree}:{name}") for name in pin_record.TREE_NAMES}
+    record = {
+        "tag": tag or Path(tarball).name.removesuffix(".tar.gz").removesuffix(".tgz"),
+        "upstream_commit": upstream or root_tree,  # without upstream's id, the tree's own (hex, stable)
+        "trees": trees,
+        "source": {"kind": "tarball", "file": Path(tarball).name, "sha256": pin.sha256_of(tarball), "prefix": prefix},
+        "pin_commit": "",
+    }
+    record["pin_commit"] = gitutil.commit_all(repo, pin_record.pin_message(record), pin.PIN_IDENTITY)
+    repo.close()
+    return record, scratch
+
+
+def _record_for_commit(commit: str, tag: str | None) -> tuple[dict, Path]:
+    """The new pin from a commit of vendor/ggml's repository (upstream history fetched there)."""
+    repo = gitutil.open_repo(paths.VENDOR_DIR)
+    sha = gitutil.rev_parse(repo, commit) if repo is not None else None
+    if sha is None:
+        raise PinError(f"{commit} is neither a tarball nor a commit of {paths.VENDOR_DIR}: fetch upstream there "
+                       "first (git -C vendor/ggml fetch ...), or give a source tarball")
+    trees = gitutil.tree_entries(repo, sha, list(pin_record.TREE_NAMES))
+    missing = [n for n in pin_record.TREE_NAMES if n not in trees]
+    if missing:
+        raise PinError(f"commit {sha[:12]} lacks {', '.join(missing)}: not a ggml tree")
+    record = {"tag": tag or sha[:12], "upstream_commit": sha, "trees": trees,
+              "source": {"kind": "commit", "file": "", "sha256": "", "prefix": ""}, "pin_commit": sha}
+    return record, paths.VENDOR_DIR
+
+
+# -- the rebase -----------------------------------------------------------------------------
+
+def start(source: str, *, tag: str | None = None, upstream: str | None = None) -> Outcome:
+    """Rebase the series onto the pin made from source (a tarball path, or a commit of vendor/ggml).
+
+    Raises PinError (a bad source, a rebase already in progress) and PatchError (a work repo with
+    uncommitted changes or commits not exported, which the rebase would carry or lose).
+    """
+    if in_progress():
+        raise PinError("a `hotggml pin set` is in progress: finish it with --continue or undo it with --abort")
+    tree = patches.default_tree()
+    repo = _clean_work_repo(tree)
+    old_pin = pin.pin_ref(repo)
+    is_tarball = Path(source).is_file()
+    record, origin = (_record_for_tarball(Path(source), tag, upstream) if is_tarball
+                      else _record_for_commit(source, tag))
+    state = state_dir()
+    if state.exists():
+        shutil.rmtree(state)
+    state.mkdir(parents=True)
+    shutil.copytree(paths.PATCHES_DIR, state / "patches")  # the series as it was: --abort puts it back
+    if is_tarball:
+        cached = paths.cache_dir() / record["source"]["file"]
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        if not cached.is_file() or pin.sha256_of(cached) != record["source"]["sha256"]:
+            shutil.copyfile(source, cached)  # fetch finds the new pin's source here from now on
+    want = f"refs/heads/{pin.PIN_BRANCH}" if is_tarball else record["pin_commit"]
+    gitutil.run(repo, "fetch", "--quiet", "--no-tags", str(origin), f"+{want}:{NEW_PIN_REF}",
+                config={"uploadpack.allowAnySHA1InWant": "true"})
+    if is_tarball:
+        shutil.rmtree(origin, ignore_errors=True)
+    _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD")})
+    return _rebase(repo, ["rebase", "--committer-date-is-author-date", "--onto", NEW_PIN_REF, old_pin,
+                          patches.WORK_BRANCH], record)
+
+
+def resume() -> Outcome:
+    """--continue: carry on after the conflicts were resolved and `git add`ed in the work repo."""
+    state = _read_state()
+    repo = gitutil.open_repo(patches.default_tree())
+    if repo is None:
+        raise PinError(f"{patches.default_tree()} is gone: run `hotggml pin set --abort`")
+    unmerged = gitutil.run(repo, "diff", "--name-only", "--diff-filter=U")
+    if unmerged:
+        raise PatchError(f"still unresolved in {patches.default_tree()}: {', '.join(unmerged.split())}; edit them, "
+                         "`git add` them, then `hotggml pin set --continue`")
+    if not (Path(repo.git_dir) / "rebase-merge").is_dir():
+        return _finish(repo, state["record"])
+    return _rebase(repo, ["rebase", "--continue"], state["record"])
+
+
+def abort() -> dict:
+    """--abort: the previous pin record, series and work repo, byte for byte. Returns the kept record."""
+    state = _read_state()
+    repo = gitutil.open_repo(patches.default_tree())
+    if repo is not None:
+        if (Path(repo.git_dir) / "rebase-merge").is_dir() or (Path(repo.git_dir) / "rebase-apply").is_dir():
+            gitutil.run(repo, "rebase", "--abort")
+        gitutil.run(repo, "checkout", "--quiet", "-B", patches.WORK_BRANCH, state["old_head"])
+        gitutil.set_ref(repo, pin.PIN_REF, state["old_pin"])
+        gitutil.run(repo, "update-ref", "-d", NEW_PIN_REF)
+    _restore_patches(state_dir() / "patches")
+    shutil.rmtree(state_dir())
+    return pin_record.read()
+
+
+def _rebase(repo: git.Repo, args: list[str], record: dict) -> Outcome:
+    env = {**pin.PIN_IDENTITY.committer_env(with_date=False), "GIT_EDITOR": "true"}
+    try:
+        gitutil.run(repo, *args, env=env)
+    except git.exc.GitCommandError:
+        stopped = Path(repo.git_dir) / "rebase-merge" / "stopped-sha"
+        if not (Path(repo.git_dir) / "rebase-merge").is_dir():
+            raise
+        sha = stopped.read_text().strip() if stopped.is_file() else gitutil.rev_parse(repo, "REBASE_HEAD")
+        name = _patch_name(repo, sha)
+        files = tuple(gitutil.run(repo, "diff", "--name-only", "--diff-filter=U").split())
+        return Outcome("conflict", record, name, files)
+    return _finish(repo, record)
+
+
+def _finish(repo: git.Repo, record: dict) -> Outcome:
+    """The rebase ended well: the work repo's pin ref moves, patches/ is re-exported, the record rewritten,
+    vendor/ggml replaced by the new pin; the state goes."""
+    gitutil.set_ref(repo, pin.PIN_REF, record["pin_commit"])
+    gitutil.run(repo, "update-ref", "-d", NEW_PIN_REF)
+    patches.export(tree=patches.default_tree())
+    series = patches.series_hash()
+    gitutil.config_set(repo, {patches.CONFIG_SERIES: series, patches.CONFIG_PIN: record["pin_commit"],
+                              patches.CONFIG_HEAD: gitutil.rev_parse(repo, "HEAD")})
+    repo.close()
+    pin_record.write(record)
+    if record["source"]["kind"] != "commit":
+        pin.fetch(force=True, record=record)
+    shutil.rmtree(state_dir(), ignore_errors=True)
+    return Outcome("done", record)
+
+
+def _patch_name(repo: git.Repo, sha: str) -> str:
+    for line in gitutil.commit_message(repo, sha).splitlines():
+        if line.startswith("Patch-Name:"):
+            return line.split(":", 1)[1].strip()
+    return sha[:12]
+
+
+def _clean_work_repo(tree: Path) -> git.Repo:
+    repo = gitutil.open_repo(tree)
+    if repo is None or pin.pin_ref(repo) is None:
+        raise PatchError(f"{tree} is not a patched work tree: run `hotggml patches apply` first")
+    dirty = gitutil.dirty_files(repo)
+    if dirty:
+        raise PatchError(f"work tree {tree} has uncommitted changes ({', '.join(dirty[:10])}): commit and export "
+                         "them, or discard them, before moving the pin")
+    if patches.export(dry_run=True, tree=tree):
+        raise PatchError(f"work tree {tree} has commits not exported to patches/: `hotggml patches export` first")
+    return repo
+
+
+def _restore_patches(saved: Path) -> None:
+    for path in paths.PATCHES_DIR.iterdir():
+        if path.is_file() and not (saved / path.name).exists():
+            path.unlink()
+    for path in saved.iterdir():
+        shutil.copyfile(path, paths.PATCHES_DIR / path.name)
+
+
+def _write_state(state: dict) -> None:
+    tmp = state_dir() / f"state.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    tmp.replace(state_dir() / "state.json")
+
+
+def _read_state() -> dict:
+    try:
+        return json.loads((state_dir() / "state.json").read_text())
+    except FileNotFoundError:
+        raise PinError("no `hotggml pin set` in progress") from None

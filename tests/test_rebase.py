@@ -1,0 +1,141 @@
+"""`hotggml pin set` against real upstream motion, in a scratch clone of this repository (its own state
+folder, so this checkout's pin, series and builds are never touched):
+
+- a new pin whose src/ggml-alloc.c has lines inserted just above the alloc-free-blocks hunk: the 3-way
+  rebase is clean, the series is re-exported, the record rewritten, `patches check` passes and a CPU build
+  of the new pin passes parity smoke;
+- a new pin that rewrites the hunk's own line: the rebase stops naming the patch and the file; --abort
+  restores the record, the series, the work repo and vendor/ggml byte for byte; resolving the conflict with
+  git and --continue finishes the move.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hotggml import paths, pin
+
+HUNK_LINE = "#define MAX_FREE_BLOCKS 256"
+
+
+@pytest.fixture(scope="module")
+def sdist(cpu_build) -> Path:
+    """The pinned sdist this checkout fetched (the session's build did)."""
+    for candidate in (os.environ.get(pin.SDIST_ENV), paths.cache_dir() / pin.SDIST_FILE):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    pytest.skip("no cached pinned sdist")
+
+
+def _clone(tmp: Path, sdist: Path) -> tuple[Path, dict]:
+    repo = tmp / "repo"
+    subprocess.run(["git", "clone", "--quiet", str(paths.REPO_ROOT), str(repo)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(repo), paths.STATE_ENV: str(tmp / "state"), pin.SDIST_ENV: str(sdist)}
+    for args in (["fetch"], ["patches", "apply"]):
+        _hotggml(repo, env, *args, check=True)
+    return repo, env
+
+
+def _hotggml(repo: Path, env: dict, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "hotggml", *args], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    if check:
+        assert run.returncode == 0, f"hotggml {' '.join(args)}: {run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    return run
+
+
+def _new_pin_tarball(repo: Path, out: Path, edit) -> Path:
+    """A ggml source tarball (one top folder) of the clone's pinned tree with `edit` applied to ggml-alloc.c."""
+    vendor = repo / "vendor" / "ggml"
+    files = subprocess.run(["git", "-C", str(vendor), "ls-files", "-z"], capture_output=True, check=True).stdout
+    with tarfile.open(out, "w:gz") as archive:
+        for rel in filter(None, files.decode().split("\0")):
+            data = (vendor / rel).read_bytes()
+            if rel == "src/ggml-alloc.c":
+                data = edit(data.decode()).encode()
+            info = tarfile.TarInfo(f"ggml-next/{rel}")
+            info.size, info.mode = len(data), (vendor / rel).stat().st_mode & 0o755
+            archive.addfile(info, io.BytesIO(data))
+    return out
+
+
+def _shift_above_hunk(text: str) -> str:
+    """Three lines inserted five lines above the hunk's line: outside its context, so the merge is clean."""
+    lines = text.split("\n")
+    at = lines.index(HUNK_LINE) - 5
+    return "\n".join(lines[:at] + ["// upstream moved on: three lines inserted above the hunk", "//", "//"] + lines[at:])
+
+
+def _rewrite_hunk(text: str) -> str:
+    assert HUNK_LINE in text
+    return text.replace(HUNK_LINE, "#define MAX_FREE_BLOCKS 512")
+
+
+def _snapshot(repo: Path, state: Path) -> dict:
+    work = state / "work" / "ggml"
+    git = lambda where, *a: subprocess.run(["git", "-C", str(where), *a], capture_output=True, text=True).stdout
+    return {
+        "record": (repo / "hotggml" / "pin.json").read_bytes(),
+        "patches": {p.name: p.read_bytes() for p in sorted((repo / "patches").iterdir())},
+        "work": (git(work, "rev-parse", "HEAD", "refs/hotggml/pin"), git(work, "status", "--porcelain"),
+                 git(work, "for-each-ref")),
+        "vendor": git(repo / "vendor" / "ggml", "rev-parse", "HEAD"),
+    }
+
+
+def test_a_clean_rebase_moves_the_pin_and_the_new_pin_passes_parity(tmp_path, sdist):
+    repo, env = _clone(tmp_path, sdist)
+    old = json.loads((repo / "hotggml" / "pin.json").read_text())
+    tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _shift_above_hunk)
+    run = _hotggml(repo, env, "pin", "set", str(tarball), "--tag", "next-shifted")
+    assert run.returncode == 0, run.stderr[-3000:]
+    new = json.loads((repo / "hotggml" / "pin.json").read_text())
+    assert new["tag"] == "next-shifted" and new["source"]["kind"] == "tarball"
+    assert new["trees"]["src"] != old["trees"]["src"] and new["trees"]["include"] == old["trees"]["include"]
+    exported = (repo / "patches" / "alloc-free-blocks.patch").read_text()
+    assert "MAX_FREE_BLOCKS 1024" in exported and exported != (paths.PATCHES_DIR / "alloc-free-blocks.patch").read_text()
+    vendor_alloc = (repo / "vendor" / "ggml" / "src" / "ggml-alloc.c").read_text()
+    assert "three lines inserted above the hunk" in vendor_alloc and HUNK_LINE in vendor_alloc  # the new pin
+    work = tmp_path / "state" / "work" / "ggml"
+    refs = subprocess.run(["git", "-C", str(work), "for-each-ref", "--format=%(refname)"], capture_output=True,
+                          text=True).stdout.split()
+    assert "refs/hotggml/pin" in refs and not any(r.startswith("refs/tags/") for r in refs)  # never a tag
+    _hotggml(repo, env, "patches", "check", check=True)
+    _hotggml(repo, env, "build", "--backend", "cpu", check=True)
+    run = _hotggml(repo, env, "parity", "--set", "smoke", check=True)
+    assert " 0 failed" in run.stdout
+
+
+def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path, sdist):
+    repo, env = _clone(tmp_path, sdist)
+    before = _snapshot(repo, tmp_path / "state")
+    tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _rewrite_hunk)
+    run = _hotggml(repo, env, "pin", "set", str(tarball))
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "patch alloc-free-blocks conflicts" in run.stderr and "src/ggml-alloc.c" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert _hotggml(repo, env, "pin", "set", str(tarball)).returncode == 2  # one at a time
+    run = _hotggml(repo, env, "pin", "set", "--abort", check=True)
+    assert _snapshot(repo, tmp_path / "state") == before
+    _hotggml(repo, env, "patches", "check", check=True)
+
+    # the same conflict, resolved with ordinary git: our side of the hunk, then --continue
+    assert _hotggml(repo, env, "pin", "set", str(tarball)).returncode == 1
+    work = tmp_path / "state" / "work" / "ggml"
+    text = (work / "src" / "ggml-alloc.c").read_text()
+    start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
+    end = text.index("\n", end) + 1
+    (work / "src" / "ggml-alloc.c").write_text(text[:start] + "#define MAX_FREE_BLOCKS 1024\n" + text[end:])
+    subprocess.run(["git", "-C", str(work), "add", "src/ggml-alloc.c"], check=True)
+    _hotggml(repo, env, "pin", "set", "--continue", check=True)
+    exported = (repo / "patches" / "alloc-free-blocks.patch").read_text()
+    assert "-#define MAX_FREE_BLOCKS 512" in exported and "+#define MAX_FREE_BLOCKS 1024" in exported
+    _hotggml(repo, env, "patches", "check", check=True)
