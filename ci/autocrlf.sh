@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job in a clone made with core.autocrlf=true (the line endings a Windows checkout gets by default):
+# .gitattributes must keep every patch byte-exact and every script LF, so the clone's own main job passes.
+# Uses the pinned sdist this checkout cached (no second download), and its own state folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+clone=$(mktemp -d "${TMPDIR:-/tmp}/hotggml-autocrlf.XXXXXX")
+trap 'rm -rf "$clone"' EXIT
+git clone --quiet -c core.autocrlf=true "$root" "$clone/repo"
+if grep -rlI $'\r' "$clone/repo/patches" "$clone/repo/ci" "$clone/repo/.ci" "$clone/repo/tools" --include='*' >/dev/null; then
+    echo "ci/autocrlf.sh: a patch or script came out with CRLF" >&2
+    exit 1
+fi
+sdist=$(ls "$root"/.hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1 || true)
+cd "$clone/repo"
+HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} bash ci/main.sh
