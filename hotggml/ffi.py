@@ -28,6 +28,7 @@ const char * hotggml_build_stamp(void);
 const char * hotggml_struct_layout_names(void);
 const size_t * hotggml_struct_layout(void);
 typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
+bool ggml_op_can_inplace(enum ggml_op op);  /* ggml-impl.h (exported): ops whose result may take a source's memory */
 """
 
 _LIB_NAMES = {"posix": "libggml.so", "darwin": "libggml.dylib", "nt": "ggml.dll"}

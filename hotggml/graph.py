@@ -24,7 +24,7 @@ TENSORS_PER_CALL = 8  # the most tensor objects one binding call creates (an op 
 BACKWARD_GROWTH = 8  # nodes ggml_build_backward_expand may add per forward node (tests/test_binding_safety.py
                      # measures it over every op the binding builds)
 FLAG_INPUT, FLAG_OUTPUT, FLAG_PARAM = 1, 2, 4  # enum ggml_tensor_flag
-_GGML_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+_GGML_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 26}  # enum ggml_type
 _NP_TYPES = {v: k for k, v in _GGML_TYPES.items()}
 
 
@@ -242,7 +242,7 @@ class Graph:
             raise UsageError("this Graph is closed")
         dtype = np.dtype(dtype)
         if dtype not in _GGML_TYPES:
-            raise InputTypeError(f"unsupported dtype {dtype}: use float32 or float16")
+            raise InputTypeError(f"unsupported dtype {dtype}: use float32, float16 or int32")
         if not 1 <= len(ne) <= GGML_MAX_DIMS or any(not isinstance(n, (int, np.integer)) or int(n) < 1 for n in ne):
             raise InputError(f"bad shape {ne}: 1 to 4 positive int dims in ggml order")
         if int(np.prod([int(n) for n in ne], dtype=object)) * dtype.itemsize > MAX_TENSOR_BYTES:
@@ -261,7 +261,7 @@ class Graph:
         array = np.asarray(array)
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
-            raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32 or float16")
+            raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32, float16 or int32")
         if self.gf is not None:
             raise UsageError("inputs must be created before build()")
         if len(self._leaves) >= self.MAX_INPUTS:

@@ -135,7 +135,8 @@ def test_loss_weight_shape_mismatch(cpu):
 def test_unsupported_dtype_and_rank(cpu):
     with Graph(cpu) as g:
         with pytest.raises(TypeError, match="unsupported dtype"):
-            g.input(np.zeros((2, 3), np.int32))
+            g.input(np.zeros((2, 3), np.int64))
+        assert g.input(np.zeros((2, 3), np.int32)).dtype == np.int32  # positions, ids
         with pytest.raises(TypeError, match="unsupported dtype"):
             g.input(np.zeros((2, 3), np.float64))
         with pytest.raises(ValueError, match="at most 4 dims"):
@@ -143,7 +144,7 @@ def test_unsupported_dtype_and_rank(cpu):
         with pytest.raises(ValueError, match="1 to 4"):
             g.new_tensor((1, 2, 3, 4, 5))
         with pytest.raises(TypeError):
-            g.new_tensor((2, 3), np.int32)
+            g.new_tensor((2, 3), np.int64)
 
 
 def test_other_shape_checks(cpu):
