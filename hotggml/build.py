@@ -235,17 +235,19 @@ def build_with_tests(backend: str = "cpu", jobs: int | None = None, cuda_arch: s
     return TestBuild("patched", info.build_dir / "ggml", info.lib_dir / "test-backend-ops")
 
 
-def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None) -> TestBuild:
+def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None,
+                extra_defines: dict[str, str] | None = None, tests: bool = True) -> TestBuild:
     """The pristine pin (vendor/ggml, verified by ``pin.fetch``) built as upstream builds it, with its
-    tests: the floor the patched tree is compared against. Keyed by pin + options; reused when complete.
+    tests (unless ``tests`` is False): the floor the patched tree is compared against, or a stock peer
+    (``extra_defines={"GGML_RPC": "ON"}``). Keyed by pin + options; reused when complete.
 
     Raises PinError when the pin cannot be materialized, BuildError when CMake fails.
     """
     from hotggml import pin
 
     pin.fetch()
-    defines = cmake_defines(backend, cuda_arch)
-    defines["GGML_BUILD_TESTS"] = "ON"
+    defines = cmake_defines(backend, cuda_arch, extra_defines)
+    defines["GGML_BUILD_TESTS"] = "ON" if tests else "OFF"
     bdir = paths.build_root() / f"stock-{backend}-{build_key(pin.UPSTREAM_COMMIT, 'stock', defines)}"
     result = TestBuild("stock", bdir, bdir / "bin" / "test-backend-ops")
     with paths.lock(bdir, f"the build in {bdir}"):

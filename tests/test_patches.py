@@ -232,24 +232,37 @@ def _am(pristine: Path, files: list[Path], where: Path):
     return repo
 
 
+def _bound(series_dir: Path) -> tuple[list[str], list[str]]:
+    """The series' submit and fork-only patch names, in order."""
+    entries = patches.series_entries(series_dir)
+    status = {n: patches.parse_patch(series_dir / n).upstream for n in entries}
+    return [n for n in entries if status[n] == "submit"], [n for n in entries if status[n] == "fork-only"]
+
+
 def test_upstream_export_applies_with_git_am_onto_the_pristine_pin(applied, pristine, series_dir, tmp_path):
     files = patches.export_upstream(tmp_path / "upstream", patches_dir=series_dir)
-    assert [f.name for f in files] == [f"{i + 1:04d}-{n}" for i, n in enumerate(patches.series_entries(series_dir))]
+    submit, fork_only = _bound(series_dir)
+    assert [f.name for f in files] == [f"{i + 1:04d}-{n}" for i, n in enumerate(submit)]
+    # the fork-only patches close the series, so the submit ones alone are the work repo minus its last commits
+    assert patches.series_entries(series_dir)[len(submit):] == fork_only
     for f in files:
         text = f.read_text()
         assert not any(line.startswith(("Patch-Name:", "Marker:", "Upstream-Status:")) for line in text.split("\n"))
         assert "diff --git" in text
     repo = _am(pristine, files, tmp_path / "am")
     work = gitutil.open_repo(applied.tree)
-    assert repo.git.rev_parse("HEAD^{tree}") == work.git.rev_parse("HEAD^{tree}")  # the same patched tree
+    assert repo.git.rev_parse("HEAD^{tree}") == work.git.rev_parse(f"HEAD~{len(fork_only)}^{{tree}}")  # the same tree
     assert len(repo.git.rev_list(f"{pin.SDIST_PIN_COMMIT}..HEAD").split()) == len(files)
 
 
 def test_fork_only_patch_stays_out_of_the_upstream_export(pristine, series_dir, tmp_path):
-    last = series_dir / patches.series_entries(series_dir)[-1]
+    submit, fork_only = _bound(series_dir)
+    assert fork_only == ["rpc-fork-major.patch"]  # the series' own fork-only patch
+    last = series_dir / submit[-1]
     edit(last, "Upstream-Status: submit", "Upstream-Status: fork-only")
     files = patches.export_upstream(tmp_path / "upstream", patches_dir=series_dir)
-    assert last.stem not in " ".join(f.name for f in files) and len(files) == len(patches.series_entries(series_dir)) - 1
+    names = " ".join(f.name for f in files)
+    assert last.stem not in names and "rpc-fork-major" not in names and len(files) == len(submit) - 1
     _am(pristine, files, tmp_path / "am")  # the submit patches stand without the fork-only one
     assert patches.parse_patch(last).upstream == "fork-only"
 
