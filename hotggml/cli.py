@@ -357,7 +357,7 @@ def _progress(done: int, total: int, text: str) -> None:
 
 def _print_cases(selected: list) -> int:
     for case in selected:
-        print(f"{case.id:<28} {case.shape}")
+        print(f"{case.id:<32} {case.shape}")
     return EXIT_OK
 
 
@@ -414,7 +414,8 @@ def _run_memory(args: argparse.Namespace) -> int:
     if args.case:
         found = [c for c in cases.FIELD + cases.REAL + cases.SMOKE if c.id == args.case]
         if not found:
-            print(f"hotggml: error: unknown case {args.case!r}", file=sys.stderr)
+            known = ", ".join(c.id for c in cases.FIELD + cases.REAL + cases.SMOKE)
+            print(f"hotggml: error: unknown case {args.case!r} (known: {known})", file=sys.stderr)
             return 2
         base = found[0]
     rows = bench.memory_table(base, tuple(args.seq or bench.MEMORY_S), resolve_device(args.backend),
@@ -437,7 +438,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", action="store_true", help="also time every node (per op, each arm)")
     parser.add_argument("--json", metavar="PATH", type=_json_path, help="also write the table's rows as JSON")
     parser.add_argument("-l", "--list", action="store_true", help="list the selected cases (with --set) and exit")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: ggml's own choice)")
     parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
     parser.set_defaults(func=_run_bench)
 

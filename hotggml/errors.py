@@ -21,7 +21,7 @@ class LibraryError(HotggmlError, ImportError):
     """The shared library is missing or stale (built from another pin or series)."""
 
 
-class BackendError(HotggmlError):
+class BackendError(HotggmlError, RuntimeError):
     """A requested backend is not in the registry, or a node did not run on it."""
 
 

@@ -624,9 +624,14 @@ class Graph:
         return np.array(view, copy=True)
 
     def grad(self, t: Tensor) -> np.ndarray | None:
-        """dL/dt in t's logical shape, or None if t got no gradient (ggml may hand back a strided view)."""
+        """dL/dt in t's logical shape, or None if t got no gradient (it does not reach the loss).
+
+        Raises UsageError when build() was given no loss (there are no gradients at all), before build()
+        or compute(), or after close(); InputTypeError for a tensor of another Graph."""
         self._need_graph()
         self.own(t)
+        if self._loss is None:
+            raise UsageError("this Graph was built without a loss: build(outputs, loss) to get gradients")
         g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
         if g == ffi.NULL:
             return None

@@ -67,6 +67,11 @@ CASES = {
         be.close()
         expect(RuntimeError, "backend CPU is closed", g.compute)
     """,
+    "grad of a graph built without a loss": """
+        g = Graph(be); x = g.param(np.ones(3, np.float32)); y = g.mul(x, x); g.build([y]); g.compute()
+        expect(RuntimeError, "built without a loss", lambda: g.grad(x))
+        expect(RuntimeError, "not in this build's registry", lambda: Backend("CUDA7"))  # BackendError is one too
+    """,
     "grad of another graph's tensor": """
         g1 = Graph(be); x = g1.param(np.ones(3, np.float32)); g1.build([x], g1.sum(x)); g1.compute()
         g2 = Graph(be); y = g2.param(np.ones(3, np.float32)); g2.build([y], g2.sum(y)); g2.compute()
