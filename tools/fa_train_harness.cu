@@ -4,7 +4,7 @@
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -I$W/include -I$W/src -I$W/src/ggml-cuda tools/fa_train_harness.cu \
 //        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness   (W = .hotggml/work/ggml)
-//   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal | bias]
+//   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal | bias | iwindow:W | padding:N]
 //
 // The host functions of fattn-train.cu (dispatch, supports_op) reference ggml-cuda symbols this program
 // does not link; they are never called here. For kernel iteration only: claims come from hotggml bench.
@@ -111,9 +111,13 @@ int main(int argc, char ** argv) {
     // "bias": a stored mask of finite biases with a fifth -INF, query row 1 and key 2 masked whole, NaN in K
     // and V at key 2 (garbage no result may see), and every kernel checked against a float64 reference
     // "iwindow:W": the implicit window |i' - j| <= W for the TF32 kernels, against the f32 kernels on it stored
+    // "padding:N": a stored mask hiding the last N keys from every row (a cross-attention's padding), NaN in
+    // their K and V, every kernel checked against a float64 reference
     const bool bias = argc > 6 && strcmp(argv[6], "bias") == 0;
     const int window = argc > 6 && strncmp(argv[6], "iwindow:", 8) == 0 ? atoi(argv[6] + 8) : -1;
-    const bool causal = argc > 6 && !bias && window < 0, implicit = (causal && strcmp(argv[6], "icausal") == 0) || window >= 0;
+    const int pad = argc > 6 && strncmp(argv[6], "padding:", 8) == 0 ? atoi(argv[6] + 8) : 0;
+    const bool ref64 = bias || pad > 0; // garbage in K/V: checked against float64, not against the f32 kernels
+    const bool causal = argc > 6 && !bias && window < 0 && pad == 0, implicit = (causal && strcmp(argv[6], "icausal") == 0) || window >= 0;
     std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) D*Skv*Nkv);
     for (auto & x : q) x = u(gen); for (auto & x : k) x = u(gen); for (auto & x : v) x = u(gen);
@@ -133,10 +137,17 @@ int main(int argc, char ** argv) {
             m[(size_t) i*Skv + j] = __float2half(i == 1 || j == 2 || gen() % 5 == 0 ? -INFINITY : x);
         }
     }
+    if (pad > 0) {
+        m.assign((size_t) S*Skv, __float2half(0.0f));
+        for (int i = 0; i < S; ++i) for (int j = Skv - pad; j < Skv; ++j) m[(size_t) i*Skv + j] = __float2half(-INFINITY);
+    }
     fa_train_params p = {};
     std::vector<float> kg = k, vg = v; // the device's copies: NaN at the masked key
     if (bias) for (int h = 0; h < Nkv; ++h) for (int c = 0; c < D; ++c) {
         kg[((size_t) h*Skv + 2)*D + c] = NAN; vg[((size_t) h*Skv + 2)*D + c] = NAN;
+    }
+    for (int h = 0; h < Nkv; ++h) for (int j = Skv - pad; j < Skv; ++j) for (int c = 0; c < D; ++c) {
+        kg[((size_t) h*Skv + j)*D + c] = NAN; vg[((size_t) h*Skv + j)*D + c] = NAN;
     }
     p.q = dev_upload(q); p.k = dev_upload(kg); p.v = dev_upload(vg);
     p.q_nb1 = D; p.q_nb2 = (int64_t) D*S; p.q_nb3 = (int64_t) D*S*Nh;
@@ -163,7 +174,11 @@ int main(int argc, char ** argv) {
     auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; launch_k(fa_train_fwd_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 0).total*sizeof(float), p); };
     auto v1 = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_fwd_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 0).total*sizeof(float), p); };
     const int Dreg = fa_reg_get_d(D, D);
-    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, p, nullptr, 0); CK(cudaGetLastError()); };
+    // the register kernels read the stored mask's cells: computed in each timed launch, as the backend does
+    uint8_t * cells = nullptr;
+    if (p.mask) CK(cudaMalloc(&cells, fa_train_cells_bytes(p)));
+    auto with_cells = [&]() { fa_train_params pc = p; fa_train_cells_fill(pc, cells, 0); return pc; };
+    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
 
     std::vector<float> Or, Lr, O1, L1, O2, L2;
     run_read(f32, Or, Lr);
@@ -174,7 +189,7 @@ int main(int argc, char ** argv) {
     double visible = 0;
     for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) visible += m.empty() || !std::isinf(__half2float(m[(size_t) i*Skv + j]));
     const double flops = 2.0*(2.0*D)*Nh*visible;
-    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, bias ? "bias+NaN keys" : window >= 0 ? "window (TF32 implicit)" :
+    printf("fwd S%d Skv%d Nh%d Nkv%d D%d %s\n", S, Skv, Nh, Nkv, D, bias ? "bias+NaN keys" : pad > 0 ? "padding+NaN keys" : window >= 0 ? "window (TF32 implicit)" :
            causal ? (implicit ? "causal (TF32 implicit)" : "causal") : "none");
     as_ref();
     const float tf = time_ms(f32);
@@ -193,7 +208,7 @@ int main(int argc, char ** argv) {
     as_ref();
     p.dO = dev_upload(dO);
     ref_out ref;
-    if (bias) {
+    if (ref64) {
         ref = reference(q, k, v, m, dO, S, Skv, Nh, Nkv, D, p.scale);
         printf("  vs float64: fwd f32 O %.2e LSE %.2e | tf32 v1 O %.2e LSE %.2e", worst_rel_d(Or, ref.O), worst_rel_d(Lr, ref.L),
                worst_rel_d(O1, ref.O), worst_rel_d(L1, ref.L));
@@ -220,15 +235,17 @@ int main(int argc, char ** argv) {
     auto dkv_f32 = [&]() { const int BC = FA_TRAIN_BC; launch_k(fa_train_bwd_dkv_f32, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 2).total*sizeof(float), p); };
     auto dq_v1   = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dq_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 1).total*sizeof(float), p); };
     auto dkv_v1  = [&]() { const int N = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dkv_tf32, dim3((Skv + N - 1)/N, Nkv, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 2).total*sizeof(float), p); };
-    auto dq_reg  = [&]() {
-        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64>(p, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128>(p, 0); break;
-                        default: fa_train_bwd_dq_tf32_reg_launch<256>(p, 0); }
+    auto dq_reg  = [&]() { // the cells once per backward: with dQ
+        const fa_train_params pc = with_cells();
+        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128>(pc, 0); break;
+                        default: fa_train_bwd_dq_tf32_reg_launch<256>(pc, 0); }
     };
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     const int split = fa_dkv_split(p, nsm);
     float * scratch; CK(cudaMalloc(&scratch, 2*(size_t) split*nK*sizeof(float)));
     auto dkv_reg = [&]() { // split as the backend does it
         fa_train_params ps = p; ps.kv_split = split;
+        if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
         switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128>(ps, scratch, 0); break;
                         default: fa_train_bwd_dkv_tf32_reg_launch<256>(ps, scratch, 0); }
     };
@@ -243,7 +260,7 @@ int main(int argc, char ** argv) {
     printf("bwd\n  f32      dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s\n", tdq_f, tkv_f, bflops/(tdq_f + tkv_f)/1e9);
     printf("  tf32 v1  dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e\n", tdq1, tkv1, bflops/(tdq1 + tkv1)/1e9,
            worst_rel(g1[0], gr[0]), worst_rel(g1[1], gr[1]), worst_rel(g1[2], gr[2]));
-    if (bias) {
+    if (ref64) {
         printf("  vs float64: bwd f32 dQ %.2e dK %.2e dV %.2e | tf32 v1 dQ %.2e dK %.2e dV %.2e\n",
                worst_rel_d(gr[0], ref.dQ), worst_rel_d(gr[1], ref.dK), worst_rel_d(gr[2], ref.dV),
                worst_rel_d(g1[0], ref.dQ), worst_rel_d(g1[1], ref.dK), worst_rel_d(g1[2], ref.dV));
@@ -254,7 +271,7 @@ int main(int argc, char ** argv) {
         printf("  tf32 reg dQ %8.3f ms dKV %8.3f ms (split %d)  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (v1/reg %.2fx)\n", tdq2, tkv2,
                split, bflops/(tdq2 + tkv2)/1e9, worst_rel(g2[0], gr[0]), worst_rel(g2[1], gr[1]), worst_rel(g2[2], gr[2]),
                (tdq1 + tkv1)/(tdq2 + tkv2));
-        if (bias) {
+        if (ref64) {
             printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
                    worst_rel_d(g2[0], ref.dQ), worst_rel_d(g2[1], ref.dK), worst_rel_d(g2[2], ref.dV));
         }
