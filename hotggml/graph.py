@@ -234,6 +234,7 @@ class Graph:
         self._loss: Tensor | None = None
         self._computed = False
         self._placed = False
+        self._owner: str | None = None  # set by freeze(): who builds and computes this Graph's nodes instead
 
     # -- leaves -------------------------------------------------------------------------
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
@@ -264,6 +265,8 @@ class Graph:
             raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32, float16 or int32")
         if self.gf is not None:
             raise UsageError("inputs must be created before build()")
+        if self._owner is not None:
+            raise UsageError(f"this Graph is trained by {self._owner}: its inputs were fixed when it took the Graph")
         if len(self._leaves) >= self.MAX_INPUTS:
             raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
@@ -399,6 +402,8 @@ class Graph:
         """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
         if self.gf is not None:
             raise UsageError("build() was already called on this Graph")
+        if self._owner is not None:
+            raise UsageError(f"this Graph is trained by {self._owner}, which builds its graphs: use its methods")
         self.own(*outputs, *([loss] if loss is not None else []))
         if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
             if loss.ne != (1, 1, 1, 1) or loss.dtype != np.float32:
@@ -431,6 +436,20 @@ class Graph:
                 if g != ffi.NULL:
                     self.lib.ggml_set_output(g)
                     self.lib.ggml_build_forward_expand(self.gf, g)
+        self._upload_leaves()
+
+    def freeze(self, owner: str) -> None:
+        """Allocate and upload the inputs and params now, for a caller that builds and computes its own graphs
+        from this Graph's nodes (hotggml.opt.Optimizer, named by ``owner``): afterwards ``input``, ``param``,
+        ``build`` and ``compute`` raise UsageError naming it. Raises UsageError on a built or closed Graph."""
+        if self.ctx is None:
+            raise UsageError("this Graph is closed")
+        if self.gf is not None or self._owner is not None:
+            raise UsageError("freeze() needs a Graph that is neither built nor frozen")
+        self._upload_leaves()
+        self._owner = owner
+
+    def _upload_leaves(self) -> None:
         # inputs get their own buffer now, so the arena measures the graph's compute memory only
         self.backend.need_open()
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
@@ -473,6 +492,8 @@ class Graph:
     def _need_graph(self) -> None:
         if self.ctx is None:
             raise UsageError("this Graph is closed")
+        if self._owner is not None:
+            raise UsageError(f"this Graph is trained by {self._owner}, which computes it: use its methods")
         if self.gf is None:
             raise UsageError("call build() first")
 

@@ -1,0 +1,403 @@
+"""ggml-opt from Python: AdamW training of a Graph's parameters through ggml_backend_sched.
+
+ggml-opt (ggml-opt.h) is ggml's optimizer loop. It takes the model as one ``inputs`` and one ``outputs``
+tensor of a compute context, builds its own loss on ``outputs`` (mean, sum, cross-entropy against labels,
+or mean squared error against labels), the backward graph, gradient accumulators and AdamW's momenta,
+and runs each graph through a ``ggml_backend_sched``. ``opt_period`` = k accumulates the gradients of k
+micro-batches and takes one optimizer step on their sum (the per-datapoint losses are scaled by 1/k, so
+k micro-batches of b equal one batch of k*b).
+
+Usage (shapes in ggml order; NumPy shapes are their reverse)::
+
+    with Backend("CPU") as be, Graph(be) as g:
+        x = g.input(np.zeros((N, Din), np.float32))            # the inputs: [Din, N]
+        w = g.param(w0)                                        # [Din, Dout] (NumPy (Dout, Din))
+        y = g.mul_mat(w, x)                                    # the outputs: [Dout, N]
+        with Optimizer(g, x, y, loss="mse", adamw=AdamW(alpha=1e-2), opt_period=2) as opt:
+            for xb, yb in batches:
+                loss = opt.step(xb, yb)                        # one micro-batch; AdamW every 2nd call
+            w_now = opt.read(w)
+
+ggml-opt asserts (and kills the interpreter) on bad hyperparameters, a graph larger than its fixed graph
+size, outputs of the wrong rank for its cross-entropy, and out-of-range token ids; every one of these is
+checked here first and raised as an exception of hotggml's family (hotggml.errors).
+
+The hyperparameters reach ggml-opt through its ``get_opt_pars`` callback. The callback used is ggml's own
+``ggml_opt_get_constant_optimizer_params`` with a ``struct ggml_opt_optimizer_params`` owned by the
+Optimizer as its userdata, not a Python (cffi) callback: ggml calls it inside ``ggml_opt_eval``, and a
+Python callback that raised there would hand ggml a zeroed struct (alpha = 0), which ggml-opt asserts
+on. Setting ``Optimizer.adamw`` validates the new values in Python and then writes that struct (a
+learning-rate schedule is one assignment per step).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from hotggml.errors import InputError, InputTypeError, UsageError
+from hotggml.ffi import ffi, load
+from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape
+
+GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: ggml_opt_init makes its static graphs this size (nodes and leafs)
+LOSS_NODES = 6  # nodes ggml-opt adds for its loss (MSE: sub, sqr, sum, scale; cross-entropy: loss, scale, argmaxes, count)
+FLAG_LOSS = 8  # enum ggml_tensor_flag GGML_TENSOR_FLAG_LOSS
+OPT_PERIOD_MAX = 2**31 - 1  # int32_t in struct ggml_opt_params
+
+# enum ggml_opt_loss_type
+LOSSES = {"mean": 0, "sum": 1, "cross_entropy": 2, "mse": 3}
+LABELLED = {"cross_entropy", "mse"}  # losses compared against labels shaped like the outputs
+PER_DATAPOINT = {"mean", "cross_entropy", "mse"}  # losses ggml-opt scales by 1/opt_period
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputTypeError(f"AdamW {name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    with np.errstate(over="ignore"):
+        f32 = float(np.float32(value))
+    if not math.isfinite(value) or not math.isfinite(f32):
+        raise InputError(f"AdamW {name} must be finite as a float32, got {value!r}")
+    return f32
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """AdamW's hyperparameters, checked on construction (ggml-opt asserts on bad ones mid-training).
+
+    ggml's update (``ggml_compute_forward_opt_step_adamw_f32``), at optimizer step t = 1, 2, ..:
+    ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g^2``,
+    ``w = w*(1 - alpha*wd) - alpha * (m/(1-beta1^t)) / (sqrt(v/(1-beta2^t)) + eps)`` (decoupled weight decay).
+
+    Ranges, checked on the float32 values ggml will use: 0 < alpha (finite), 0 <= beta1, beta2 < 1
+    (beta = 1 divides by zero in the bias correction), eps > 0, 0 <= wd <= 1 (ggml-opt's own bound).
+    Raises InputTypeError for a non-number, InputError for a value out of range.
+    """
+
+    alpha: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    wd: float = 0.0
+
+    def __post_init__(self):
+        alpha, beta1, beta2, eps, wd = (_real(n, getattr(self, n)) for n in ("alpha", "beta1", "beta2", "eps", "wd"))
+        if not alpha > 0:
+            raise InputError(f"AdamW alpha (learning rate) must be > 0 as a float32, got {self.alpha!r}")
+        for name, beta in (("beta1", beta1), ("beta2", beta2)):
+            if not 0 <= beta < 1:
+                raise InputError(f"AdamW {name} must be in [0, 1) as a float32 (1 divides by zero in the bias "
+                                 f"correction), got {getattr(self, name)!r}")
+        if not eps > 0:
+            raise InputError(f"AdamW eps must be > 0 as a float32, got {self.eps!r}")
+        if not 0 <= wd <= 1:
+            raise InputError(f"AdamW wd (decoupled weight decay) must be in [0, 1], got {self.wd!r}")
+
+    def as_float32(self) -> tuple[float, float, float, float, float]:
+        """(alpha, beta1, beta2, eps, wd) rounded to float32, as ggml uses them."""
+        return tuple(float(np.float32(x)) for x in (self.alpha, self.beta1, self.beta2, self.eps, self.wd))
+
+
+class _Native:
+    """What an Optimizer owns in C, freed by free() (from close(), or by the collector): ggml-opt's
+    context first (its static buffer holds the gradient accumulators, momenta, labels and loss), then the
+    scheduler (its buffers hold the compute nodes). The Graph whose context holds the model's nodes and the
+    graphs ggml-opt built is kept alive until both are gone."""
+
+    def __init__(self, lib, graph):
+        self.lib, self.graph = lib, graph
+        self.opt = None
+        self.sched = None
+        self.pars = None
+
+    def free(self) -> None:
+        if self.opt is not None:
+            self.lib.ggml_opt_free(self.opt)
+            self.opt = None
+        if self.sched is not None:
+            self.sched.close()
+            self.sched = None
+        self.pars = self.graph = None
+
+
+def _walk(roots) -> tuple[list, list]:
+    """(nodes, leafs) reachable from the root pointers: ggml's rule, a tensor with no op that is not a
+    parameter is a leaf."""
+    seen: set[int] = set()
+    nodes, leafs = [], []
+    stack = list(roots)
+    while stack:
+        ptr = stack.pop()
+        key = int(ffi.cast("uintptr_t", ptr))
+        if key in seen:
+            continue
+        seen.add(key)
+        (leafs if int(ptr.op) == 0 and not int(ptr.flags) & FLAG_PARAM else nodes).append(ptr)
+        stack.extend(src for src in ptr.src if src != ffi.NULL)
+    return nodes, leafs
+
+
+def _same(a, b) -> bool:
+    return int(ffi.cast("uintptr_t", a)) == int(ffi.cast("uintptr_t", b))
+
+
+class Optimizer:
+    """ggml-opt's AdamW loop over a Graph's parameters, through a ggml_backend_sched on the Graph's backend.
+
+    graph: a hotggml Graph that is not built (``build()`` not called): its ``param()`` leaves are trained,
+    its ``input()`` leaves keep the values given (constants such as a mask), and the Optimizer takes the
+    Graph over (its ``build``/``compute``/``input`` raise UsageError from now on).
+    inputs: one ``input()`` leaf of the graph (any dtype the Graph takes), written by every ``step``.
+    outputs: an f32, contiguous node of the graph computed from ``inputs`` and at least one parameter;
+    for ``loss="cross_entropy"`` a matrix [C, N] (ggml-opt's argmax asserts rank 2).
+    loss: ``"mse"`` (mean squared error against labels shaped like outputs), ``"cross_entropy"`` (softmax over
+    ne[0] against label distributions shaped like outputs, averaged over the N rows), ``"mean"`` or ``"sum"``
+    of the outputs (no labels).
+    adamw: an AdamW (validated); opt_period: micro-batches per optimizer step (int >= 1).
+    n_threads: CPU threads of the scheduler's CPU backend (None keeps the backend's setting).
+
+    Raises InputTypeError / InputError for any argument ggml-opt would assert on (including a forward graph
+    too large for ggml-opt's graphs of 2048 nodes with their backward, or a Graph context without room for
+    them), UsageError for a closed or built Graph or Backend. Ops without a backward case in ggml abort in
+    ggml's autodiff, as with ``Graph.build``.
+    """
+
+    def __init__(self, graph: Graph, inputs: Tensor, outputs: Tensor, loss: str = "mse",
+                 adamw: AdamW | None = None, opt_period: int = 1):
+        if not isinstance(graph, Graph):
+            raise InputTypeError(f"graph must be a hotggml Graph, got {type(graph).__name__}")
+        if graph.ctx is None:
+            raise UsageError("this Graph is closed")
+        if graph.gf is not None:
+            raise UsageError("the Graph was already built: give the Optimizer an unbuilt Graph (ggml-opt builds "
+                             "the forward, backward and optimizer graphs itself)")
+        if getattr(graph, "_owner", None) is not None:
+            raise UsageError(f"this Graph is already trained by {graph._owner}")
+        for name, t in (("inputs", inputs), ("outputs", outputs)):
+            if not isinstance(t, Tensor):
+                raise InputTypeError(f"{name} must be a hotggml Tensor, got {type(t).__name__}")
+        graph.own(inputs, outputs)
+        if not isinstance(loss, str) or loss not in LOSSES:
+            raise InputError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
+        adamw = AdamW() if adamw is None else adamw
+        if not isinstance(adamw, AdamW):
+            raise InputTypeError(f"adamw must be a hotggml.opt.AdamW, got {type(adamw).__name__}")
+        if isinstance(opt_period, bool) or not isinstance(opt_period, (int, np.integer)):
+            raise InputTypeError(f"opt_period must be an int, got {type(opt_period).__name__}")
+        if not 1 <= int(opt_period) <= OPT_PERIOD_MAX:
+            raise InputError(f"opt_period (micro-batches per optimizer step) must be in [1, {OPT_PERIOD_MAX}], "
+                             f"got {opt_period}")
+        graph.backend.need_open()
+        self._check_model(graph, inputs, outputs, loss)
+
+        lib = self.lib = load()
+        self.graph, self.inputs, self.outputs, self.loss = graph, inputs, outputs, loss
+        self.opt_period = int(opt_period)
+        self.params = [t for t in graph._leaves if int(t.ptr.flags) & FLAG_PARAM]
+        self.n_micro = 0  # micro-batches evaluated
+        self._native = _Native(lib, graph)
+        self._finalizer = weakref.finalize(self, self._native.free)
+        self._native.pars = ffi.new("struct ggml_opt_optimizer_params *")
+        self.adamw = adamw
+
+        from hotggml.sched import Scheduler
+
+        graph.freeze("an Optimizer")  # inputs and params allocated and uploaded; the Graph is ours now
+        # ggml_opt's graphs hold up to GRAPH_SIZE nodes and GRAPH_SIZE leafs: the scheduler's hash set
+        # must take both (ggml_backend_sched asserts it)
+        self._native.sched = Scheduler(graph.backend, graph_size=2 * GRAPH_SIZE)
+        params = lib.ggml_opt_default_params(self._native.sched._ptr, LOSSES[loss])
+        params.ctx_compute = graph.ctx
+        params.inputs = inputs.ptr
+        params.outputs = outputs.ptr
+        params.opt_period = self.opt_period
+        params.get_opt_pars = ffi.addressof(lib, "ggml_opt_get_constant_optimizer_params")
+        params.get_opt_pars_ud = self._native.pars
+        params.optimizer = lib.GGML_OPT_OPTIMIZER_TYPE_ADAMW
+        self._native.opt = lib.ggml_opt_init(params)
+        self._index_checks = self._find_index_checks()
+
+    # -- checks ------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_model(graph: Graph, inputs: Tensor, outputs: Tensor, loss: str) -> None:
+        lib = graph.lib
+        if not any(_same(inputs.ptr, t.ptr) for t in graph._leaves) or int(inputs.ptr.flags) & FLAG_PARAM:
+            raise InputError("inputs must be an input() leaf of the graph (not a param, not a computed node)")
+        if int(outputs.ptr.op) == 0:
+            raise InputError("outputs must be a computed node of the graph, not a leaf")
+        if outputs.dtype != np.float32:
+            raise InputTypeError(f"outputs must be float32 (ggml-opt's losses are f32), got {outputs.dtype}")
+        if not outputs.is_contiguous():
+            raise InputError("outputs must be contiguous: cont() it first")
+        if loss == "cross_entropy" and (outputs.ne[2] != 1 or outputs.ne[3] != 1):
+            raise InputError(f"cross_entropy needs outputs [C, N] (a matrix: ggml-opt's argmax asserts it), got "
+                             f"{outputs.ne}: reshape the logits to [C, N] first")
+        nodes, leafs = _walk([outputs.ptr])
+        if any(int(n.flags) & FLAG_LOSS for n in nodes):
+            raise InputError("a node of the graph is already marked as a loss (ggml_set_loss): ggml-opt builds the "
+                             "loss itself and asserts there is no other")
+        if not any(_same(p, inputs.ptr) for p in leafs):
+            raise InputError("outputs do not depend on inputs")
+        n_params = sum(1 for n in nodes if int(n.flags) & FLAG_PARAM)
+        if n_params == 0:
+            raise InputError("outputs depend on no param(): nothing to train (declare weights with Graph.param)")
+        # gf holds the forward and the loss; gb_grad and gb_opt, the same size, add the backward (at most
+        # BACKWARD_GROWTH nodes per forward node) and one optimizer step per parameter
+        need = (len(nodes) + LOSS_NODES) * (1 + BACKWARD_GROWTH) + n_params
+        if need > GRAPH_SIZE or len(leafs) + 2 > GRAPH_SIZE:
+            raise InputError(f"the model has {len(nodes)} forward nodes and {len(leafs)} leafs: with the backward "
+                             f"and the optimizer steps that is up to {need} nodes, over ggml-opt's graph size "
+                             f"{GRAPH_SIZE} (GGML_DEFAULT_GRAPH_SIZE); use a smaller graph")
+        # ggml-opt makes three graphs of GRAPH_SIZE (with gradients) and the backward's tensors in the Graph's
+        # context: ggml_init'ed with a fixed size, it aborts when full
+        room = graph._mem - lib.ggml_used_mem(graph.ctx)
+        want = 3 * lib.ggml_graph_overhead_custom(GRAPH_SIZE, True) + lib.ggml_tensor_overhead() * (need + 16)
+        if want > room:
+            raise InputError(f"the Graph's context has {room} bytes left, ggml-opt needs up to {want}: make the "
+                             f"Graph with a larger max_nodes (now {graph.max_nodes})")
+
+    def _find_index_checks(self) -> list[tuple[str, int]]:
+        """(op name, rows) for every GET_ROWS whose row ids are ``inputs`` (directly or through reshapes and
+        views): ggml asserts each id is in [0, rows) and aborts otherwise."""
+        get_rows = int(self.lib.GGML_OP_GET_ROWS)
+        view_ops = {int(self.lib.GGML_OP_RESHAPE), int(self.lib.GGML_OP_VIEW)}
+        nodes, _ = _walk([self.outputs.ptr])
+        checks = []
+        for n in nodes:
+            if int(n.op) != get_rows:
+                continue
+            ids = n.src[1]
+            while ids != ffi.NULL and int(ids.op) in view_ops:
+                ids = ids.src[0]
+            if ids != ffi.NULL and _same(ids, self.inputs.ptr):
+                checks.append(("get_rows", int(n.src[0].ne[1])))
+        return checks
+
+    def _need_open(self) -> None:
+        if self._native.opt is None:
+            raise UsageError("this Optimizer is closed")
+        if self.graph.ctx is None:
+            raise UsageError("the Optimizer's Graph was closed: its nodes are freed (close the Optimizer first)")
+        self.graph.backend.need_open()
+
+    def _array_for(self, t: Tensor, array, what: str) -> np.ndarray:
+        """``array`` as the bytes of tensor t (contiguous, t's dtype), or InputError / InputTypeError."""
+        if isinstance(array, Tensor) or array is None:
+            raise InputTypeError(f"{what} must be a NumPy array, got {type(array).__name__}")
+        array = np.asarray(array)
+        if ggml_shape(array.shape) != t.ne:
+            want = tuple(reversed([n for n in t.ne]))
+            raise InputError(f"{what} has NumPy shape {array.shape}; the tensor is {t.ne} in ggml order, NumPy "
+                             f"{want} (leading 1s may be dropped)")
+        if t.dtype == np.int32:
+            if array.dtype.kind not in "iu":
+                raise InputTypeError(f"{what} must hold integers for an int32 tensor, got {array.dtype}")
+            if array.size and (array.min() < -2**31 or array.max() >= 2**31):
+                raise InputError(f"{what} has values outside int32")
+        elif array.dtype.kind not in "fiu":
+            raise InputTypeError(f"{what} must be a real array for a {t.dtype} tensor, got {array.dtype}")
+        return np.ascontiguousarray(array, dtype=t.dtype)
+
+    # -- training --------------------------------------------------------------------------------------
+    @property
+    def adamw(self) -> AdamW:
+        """The hyperparameters the next optimizer step uses; assign an AdamW to change them (validated)."""
+        return self._adamw
+
+    @adamw.setter
+    def adamw(self, value: AdamW) -> None:
+        if not isinstance(value, AdamW):
+            raise InputTypeError(f"adamw must be a hotggml.opt.AdamW, got {type(value).__name__}")
+        if self._native.pars is None:
+            raise UsageError("this Optimizer is closed")
+        p = self._native.pars
+        p.adamw.alpha, p.adamw.beta1, p.adamw.beta2, p.adamw.eps, p.adamw.wd = value.as_float32()
+        p.sgd.alpha, p.sgd.wd = value.as_float32()[0], value.as_float32()[4]
+        self._adamw = value
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (one per opt_period micro-batches)."""
+        return self.n_micro // self.opt_period
+
+    def step(self, inputs: np.ndarray, labels: np.ndarray | None = None) -> float:
+        """Forward + backward of one micro-batch; every opt_period-th call also takes the AdamW step.
+
+        inputs: NumPy array shaped and typed like the inputs tensor (NumPy shape = ggml ne reversed; floats
+        for f32/f16, integers within int32 for int32; ids feeding a get_rows must lie in [0, rows)).
+        labels: for "mse" and "cross_entropy", an array shaped like outputs (f32; for cross_entropy each row a
+        distribution over ne[0], e.g. one-hot; an all-zero row contributes nothing); None for "mean"/"sum".
+        Returns this micro-batch's loss (for the per-datapoint losses, undone from ggml-opt's 1/opt_period
+        scaling: the loss of the micro-batch alone). Raises InputError / InputTypeError for bad arrays,
+        UsageError when closed.
+        """
+        self._need_open()
+        x = self._array_for(self.inputs, inputs, "inputs")
+        for op, rows in self._index_checks:
+            if x.size and (x.min() < 0 or x.max() >= rows):
+                raise InputError(f"inputs feed a {op} of {rows} rows: every id must be in [0, {rows}), got "
+                                 f"[{x.min()}, {x.max()}]")
+        if self.loss in LABELLED:
+            if labels is None:
+                raise InputError(f"loss {self.loss!r} needs labels shaped like outputs {self.outputs.ne}")
+            y = self._array_for(self.outputs, labels, "labels")
+            if not np.isfinite(y).all():
+                raise InputError("labels must be finite")
+        elif labels is not None:
+            raise InputError(f"loss {self.loss!r} takes no labels")
+        lib, opt = self.lib, self._native.opt
+        lib.ggml_opt_alloc(opt, True)
+        lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
+        if self.loss in LABELLED:
+            lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
+        lib.ggml_opt_eval(opt, ffi.NULL)
+        self.n_micro += 1
+        out = ffi.new("float[1]")
+        lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
+        loss = float(out[0])
+        if self.loss in PER_DATAPOINT:
+            loss *= self.opt_period
+        return loss
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The current values of a param() or input() leaf of the graph (the params as trained so far), in
+        NumPy shape. Raises InputError for a computed node (ggml-opt reuses their memory), UsageError when
+        closed."""
+        self._need_open()
+        self.graph.own(t)
+        if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
+            raise InputError("only param() and input() leaves keep their memory between steps: read those")
+        out = np.empty(tuple(reversed(t.ne)), dtype=t.dtype)
+        self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
+        return out
+
+    def write(self, t: Tensor, array: np.ndarray) -> None:
+        """Overwrite a param() or input() leaf (e.g. a new constant, or parameters to restart from).
+        Raises as ``read`` does, and InputError / InputTypeError for an array of another shape or kind."""
+        self._need_open()
+        self.graph.own(t)
+        if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
+            raise InputError("only param() and input() leaves can be written")
+        a = self._array_for(t, array, "array")
+        self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(a), 0, a.nbytes)
+
+    def compute_bytes(self) -> int:
+        """Bytes of the scheduler's compute buffer on the Graph's backend: the arena of the largest graph
+        ggml-opt allocated so far (forward + backward + optimizer step), 0 before the first ``step``. The
+        inputs/params buffer and ggml-opt's static buffer (gradient accumulators, momenta) are not in it."""
+        self._need_open()
+        sched = self._native.sched
+        return int(self.lib.ggml_backend_sched_get_buffer_size(sched._ptr, self.graph.backend._ptr))
+
+    def close(self) -> None:
+        """Free ggml-opt's context, then the scheduler (once); every later call raises UsageError."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
