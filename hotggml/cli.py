@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "probe": "hotggml.cli:add_probe_parser",
     "floor": "hotggml.cli:add_floor_parser",
     "pin": "hotggml.cli:add_pin_parser",
+    "train-demo": "hotggml.train_demo:add_parser",
 }
 
 
@@ -36,7 +37,7 @@ NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor", "pin"}
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check); 2 a usage or
+EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check, train-demo); 2 a usage or
 input error, or a step that could not run (the message says which); 130 interrupted (Ctrl-C)."""
 
 
