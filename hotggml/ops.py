@@ -140,11 +140,20 @@ def get_lse(fwd: Tensor) -> Tensor:
     return _view(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd", "ggml_flash_attn_train_get_lse")
 
 
-def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
-    """Packed fused backward dQ | dK | dV of a forward node; d is dO [Dv, Nh, S, B] or the packed gradient.
+# the gradients a backward node computes: ggml's GGML_FA_TRAIN_GRAD_* bits, by letter
+GRAD_BITS = {"q": 1, "k": 2, "v": 4}
 
-    Precision and scale are copied from fwd. Views: get_dq, get_dk, get_dv.
+
+def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor, grads: str = "qkv") -> Tensor:
+    """Packed fused backward of a forward node: the gradients named in ``grads`` (letters of "qkv", each at
+    most once), packed in q, k, v order; d is dO [Dv, Nh, S, B] or the packed gradient [O | LSE].
+
+    A gradient not asked for gets neither memory nor work (a frozen K/V cache: ``grads="q"``). Precision,
+    scale and implicit masks are copied from fwd. Views: get_dq, get_dk, get_dv (each raises InputError for a
+    gradient the node does not compute). Raises InputError / InputTypeError for bad arguments.
     """
+    if not isinstance(grads, str) or not grads or any(c not in GRAD_BITS for c in grads) or len(set(grads)) != len(grads):
+        raise InputError(f"grads must name some of q, k, v once each (e.g. 'qkv', 'q'), got {grads!r}")
     g.own(fwd, d)
     _need_op(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
@@ -153,19 +162,37 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor) -> Tensor:
     o_ne = (int(v.ne[0]), int(q.ne[2]), int(q.ne[1]), int(q.ne[3]))  # [Dv, Nh, S, B]
     if d.ne != o_ne and d.ne != fwd.ne:
         raise InputError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
-    return Tensor(g, g.lib.ggml_flash_attn_train_back(g.ctx, q, k, v, mask, fwd.ptr, d.ptr))
+    bits = sum(GRAD_BITS[c] for c in grads)
+    return Tensor(g, g.lib.ggml_flash_attn_train_back_ext(g.ctx, q, k, v, mask, fwd.ptr, d.ptr, bits))
+
+
+def back_grads(back: Tensor) -> str:
+    """The gradients a backward node computes, as letters of "qkv" (autodiff asks only for those of q, k, v
+    that need one). Raises InputError / InputTypeError when back is not a flash_attn_train_back node."""
+    if not isinstance(back, Tensor):
+        raise InputTypeError(f"back must be a hotggml Tensor, got {type(back).__name__}")
+    _need_op(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back")
+    bits = int(back.graph.lib.ggml_flash_attn_train_back_get_grads(back.ptr))
+    return "".join(c for c, b in GRAD_BITS.items() if bits & b)
+
+
+def _grad_view(back: Tensor, which: str) -> Tensor:
+    if which not in back_grads(back):  # ggml asserts it
+        raise InputError(f"this backward node does not compute d{which.upper()} (it computes: "
+                         f"{', '.join('d' + c.upper() for c in back_grads(back))})")
+    return Tensor(back.graph, getattr(back.graph.lib, f"ggml_flash_attn_train_back_get_d{which}")(back.graph.ctx, back.ptr))
 
 
 def get_dq(back: Tensor) -> Tensor:
-    """View dQ (contiguous, shape of q) of a packed backward."""
-    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dq")
+    """View dQ (contiguous, shape of q) of a packed backward that computes it."""
+    return _grad_view(back, "q")
 
 
 def get_dk(back: Tensor) -> Tensor:
-    """View dK (contiguous, shape of k) of a packed backward."""
-    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dk")
+    """View dK (contiguous, shape of k) of a packed backward that computes it."""
+    return _grad_view(back, "k")
 
 
 def get_dv(back: Tensor) -> Tensor:
-    """View dV (contiguous, shape of v) of a packed backward."""
-    return _view(back, op_id("FLASH_ATTN_TRAIN_BACK"), "back", "ggml_flash_attn_train_back_get_dv")
+    """View dV (contiguous, shape of v) of a packed backward that computes it."""
+    return _grad_view(back, "v")

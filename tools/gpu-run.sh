@@ -56,7 +56,7 @@ step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec def
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
 step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
-step cuda-tests pass python3 -m pytest tests/test_cuda.py -v -m cuda -rs -p no:cacheprovider
+step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
 step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
 step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --no-f32 --json "$out/bench-chunk.json"
 step probe-field pass hg probe --backend cuda --set field
