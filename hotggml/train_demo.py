@@ -41,6 +41,7 @@ largest drift measured and nineteen times below the smallest fault.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import time
@@ -353,11 +354,8 @@ def _run(args) -> int:
     from hotggml.cli import resolve_device
 
     cfg = DemoConfig(steps=args.steps, seed=args.seed, threads=args.threads, backend=resolve_device(args.backend))
-    if args.plot:  # a missing matplotlib is said before the minute of training, not after
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise InputError("--plot needs matplotlib: pip install 'hotggml[plot]' (or pip install matplotlib)") from None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # said before the training, not after
+        raise InputError("--plot needs matplotlib: pip install 'hotggml[plot]' (or pip install matplotlib)")
     result = run(cfg)
     print(format_report(result, args.every))
     if args.plot:
