@@ -47,6 +47,16 @@ LOSS_NODES = 6  # nodes ggml-opt adds for its loss (MSE: sub, sqr, sum, scale; c
 FLAG_LOSS = 8  # enum ggml_tensor_flag GGML_TENSOR_FLAG_LOSS
 OPT_PERIOD_MAX = 2**31 - 1  # int32_t in struct ggml_opt_params
 
+# the cases of ggml_compute_backward (ggml.c) in the patched tree: a node that needs a gradient and whose op is
+# not here makes ggml's autodiff abort ("unsupported ggml op for backward pass")
+BACKWARD_OPS = frozenset("""NONE DUP ADD ADD1 ACC SUB MUL DIV SQR SQRT LOG SIN COS SUM SUM_ROWS MEAN REPEAT REPEAT_BACK
+    RMS_NORM MUL_MAT SCALE SET CPY CONT RESHAPE VIEW PERMUTE TRANSPOSE GET_ROWS DIAG_MASK_INF DIAG_MASK_ZERO SOFT_MAX
+    ROPE IM2COL POOL_2D WIN_PART WIN_UNPART UNARY CROSS_ENTROPY_LOSS GLU FLASH_ATTN_TRAIN""".split())
+BACKWARD_UNARY = frozenset("ABS SGN NEG STEP RELU SILU EXP EXPM1 SOFTPLUS".split())
+BACKWARD_GLU = frozenset({"SWIGLU"})
+# sources whose gradient ggml_build_backward_expand ignores: (op name, source index)
+IGNORED_SRC = {("IM2COL", 0), ("IM2COL_BACK", 0), ("CPY", 1), ("GET_ROWS", 1), ("GET_ROWS_BACK", 1), ("ROPE", 1)}
+
 # enum ggml_opt_loss_type
 LOSSES = {"mean": 0, "sum": 1, "cross_entropy": 2, "mse": 3}
 LABELLED = {"cross_entropy", "mse"}  # losses compared against labels shaped like the outputs
@@ -140,6 +150,51 @@ def _walk(roots) -> tuple[list, list]:
     return nodes, leafs
 
 
+def _op_name(lib, ptr) -> str:
+    name = ffi.string(lib.ggml_op_name(ptr.op)).decode()
+    if name == "UNARY":
+        return f"UNARY {ffi.string(lib.ggml_unary_op_name(lib.ggml_get_unary_op(ptr))).decode()}"
+    if name == "GLU":
+        return f"GLU {ffi.string(lib.ggml_glu_op_name(lib.ggml_get_glu_op(ptr))).decode()}"
+    return name
+
+
+def _without_backward(lib, root) -> list[str]:
+    """Names of the ops (sorted, once each) of nodes that need a gradient, by ggml_build_backward_expand's rule
+    (a parameter, or a non-I32 node with a source that needs one, ignored sources aside), and that
+    ggml_compute_backward has no case for."""
+    needs: dict[int, bool] = {}
+    missing: set[str] = set()
+    i32 = int(lib.GGML_TYPE_I32)
+    order, stack = [], [(root, False)]
+    while stack:  # post-order: every source before its consumer
+        ptr, done = stack.pop()
+        key = int(ffi.cast("uintptr_t", ptr))
+        if done:
+            order.append(ptr)
+            continue
+        if key in needs:
+            continue
+        needs[key] = False
+        stack.append((ptr, True))
+        stack.extend((src, False) for src in ptr.src if src != ffi.NULL)
+    for ptr in order:
+        key = int(ffi.cast("uintptr_t", ptr))
+        name = _op_name(lib, ptr)
+        if int(ptr.flags) & FLAG_PARAM:
+            needs[key] = True
+        elif int(ptr.type) != i32:
+            op = name.split()[0]
+            needs[key] = any(src != ffi.NULL and (op, j) not in IGNORED_SRC and needs[int(ffi.cast("uintptr_t", src))]
+                             for j, src in enumerate(ptr.src))
+        if not needs[key]:
+            continue
+        op, _, sub = name.partition(" ")
+        if op not in BACKWARD_OPS or (op == "UNARY" and sub not in BACKWARD_UNARY) or (op == "GLU" and sub not in BACKWARD_GLU):
+            missing.add(name)
+    return sorted(missing)
+
+
 def _same(a, b) -> bool:
     return int(ffi.cast("uintptr_t", a)) == int(ffi.cast("uintptr_t", b))
 
@@ -161,8 +216,8 @@ class Optimizer:
 
     Raises InputTypeError / InputError for any argument ggml-opt would assert on (including a forward graph
     too large for ggml-opt's graphs of 2048 nodes with their backward, or a Graph context without room for
-    them), UsageError for a closed or built Graph or Backend. Ops without a backward case in ggml abort in
-    ggml's autodiff, as with ``Graph.build``.
+    them, or an op without a backward case in ggml on the way from a parameter to the outputs), UsageError
+    for a closed or built Graph or Backend.
     """
 
     def __init__(self, graph: Graph, inputs: Tensor, outputs: Tensor, loss: str = "mse",
@@ -241,6 +296,10 @@ class Optimizer:
                              "loss itself and asserts there is no other")
         if not any(_same(p, inputs.ptr) for p in leafs):
             raise InputError("outputs do not depend on inputs")
+        missing = _without_backward(lib, outputs.ptr)
+        if missing:
+            raise InputError(f"ggml's autodiff has no backward for {', '.join(missing)}, which a parameter's "
+                             "gradient must pass through (ggml would abort): use ops that have one")
         n_params = sum(1 for n in nodes if int(n.flags) & FLAG_PARAM)
         if n_params == 0:
             raise InputError("outputs depend on no param(): nothing to train (declare weights with Graph.param)")

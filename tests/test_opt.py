@@ -281,6 +281,14 @@ def test_bad_arguments_raise_instead_of_aborting(lib):
         expect(InputError, "do not depend on inputs", lambda: Optimizer(g, x, g.mul_mat(w, g.input(np.ones((8, 6), np.float32)))))
         expect(InputError, "no param", lambda: Optimizer(g, x, g.mul_mat(g.input(np.ones((4, 6), np.float32)), x)))
         expect(InputError, "contiguous", lambda: Optimizer(g, x, g.permute(y, 1, 0, 2, 3)))
+        # an op without a backward case between a param and the outputs: ggml_compute_backward aborts
+        lib, ctx = g.lib, g.ctx
+        expect(InputError, "no backward for NORM", lambda: Optimizer(g, x, g.wrap(lib.ggml_norm(ctx, y.ptr, 1e-5))))
+        expect(InputError, "UNARY TANH", lambda: Optimizer(g, x, g.wrap(lib.ggml_tanh(ctx, y.ptr))))
+        # ... but one on a constant branch needs no gradient: accepted (in a Graph of its own)
+        ga, xa, wa, ya = linear()
+        const = ga.wrap(ga.lib.ggml_tanh(ga.ctx, ga.input(np.ones((8, 4), np.float32)).ptr))
+        Optimizer(ga, xa, ga.add(ya, const)).close()
         # a loss node already in the graph: ggml_opt_build asserts
         l = g.sum(y); g.lib.ggml_set_loss(l.ptr)
         expect(InputError, "marked as a loss", lambda: Optimizer(g, x, g.wrap(g.lib.ggml_add(g.ctx, g.add(y, c).ptr, l.ptr))))
@@ -331,3 +339,22 @@ def test_bad_arguments_raise_instead_of_aborting(lib):
     """)
     assert "alive" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     print(run.stdout)
+
+
+def test_the_backward_op_list_is_ggml_compute_backward():
+    """opt.BACKWARD_OPS / BACKWARD_UNARY / BACKWARD_GLU are the cases of ggml_compute_backward in the patched
+    tree (a case added or dropped by a patch or a new pin shows here)."""
+    import re
+
+    from hotggml import opt
+
+    source = paths.work_dir() / "ggml" / "src" / "ggml.c"
+    if not source.is_file():
+        pytest.skip(f"no patched tree at {source} (`hotggml patches apply` makes it)")
+    text = source.read_text()
+    start = text.index("static void ggml_compute_backward(")
+    body = text[start:text.index("\n}\n", start)]
+    cases = set(re.findall(r"case GGML_OP_(\w+):", body)) - {"COUNT"}
+    assert cases == opt.BACKWARD_OPS
+    assert set(re.findall(r"case GGML_UNARY_OP_(\w+):", body)) == opt.BACKWARD_UNARY
+    assert set(re.findall(r"case GGML_GLU_OP_(\w+):", body)) == opt.BACKWARD_GLU
