@@ -212,7 +212,8 @@ class Optimizer:
     ne[0] against label distributions shaped like outputs, averaged over the N rows), ``"mean"`` or ``"sum"``
     of the outputs (no labels).
     adamw: an AdamW (validated); opt_period: micro-batches per optimizer step (int >= 1).
-    n_threads: CPU threads of the scheduler's CPU backend (None keeps the backend's setting).
+    The scheduler runs over [the Graph's backend, CPU] (the CPU alone for a CPU Graph); give the CPU backend its
+    threads with ``Backend("CPU", n_threads=...)``. An Optimizer never closed is freed when collected.
 
     Raises InputTypeError / InputError for any argument ggml-opt would assert on (including a forward graph
     too large for ggml-opt's graphs of 2048 nodes with their backward, or a Graph context without room for
