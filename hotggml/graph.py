@@ -430,6 +430,9 @@ class Graph:
             self.lib.ggml_set_output(loss.ptr)
             self.lib.ggml_build_forward_expand(self.gf, loss.ptr)
             self.lib.ggml_build_backward_expand(self.ctx, self.gf, ffi.NULL)
+            # dL/dL is set before compute: an output, so the allocator never gives its memory to a later node
+            # (a node poisoned or written there before that node runs would overwrite the seed)
+            self.lib.ggml_set_output(self.lib.ggml_graph_get_grad(self.gf, loss.ptr))
             self._loss = loss
             for t in self._leaves:
                 g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
@@ -609,12 +612,12 @@ class Graph:
         self._need_graph()
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
         self._allocate()
+        for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
+            self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
         if self._loss is not None:
             g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
             one = np.ones(1, dtype=np.float32)
             self.lib.ggml_backend_tensor_set(g, ffi.from_buffer(one), 0, 4)
-        for t in poison:
-            self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
 
     def read(self, t: Tensor) -> np.ndarray:
         """The tensor's values as a NumPy array in its LOGICAL shape (strided views are honoured).

@@ -509,3 +509,19 @@ def test_packed_layout_offsets_agree_with_the_views(cpu):
         assert lib.ggml_flash_attn_train_back_offset(back.ptr, 0) == ops.get_dq(back).ptr.view_offs == 0
         assert lib.ggml_flash_attn_train_back_offset(back.ptr, 1) == ops.get_dk(back).ptr.view_offs == -(-q.size * 4 // 16) * 16
         assert lib.ggml_flash_attn_train_back_offset(back.ptr, 2) == ops.get_dv(back).ptr.view_offs
+
+
+def test_poison_never_clobbers_the_loss_seed(cpu):
+    # dL/dL is set before compute; a poisoned tensor that shares its memory (the allocator is free to place a
+    # node there, as it did for the fused backward at the tiny case on CUDA) must not turn the gradients to NaN.
+    # Worst case: the seed itself poisoned. Before the fix every gradient came out NaN.
+    x = np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3)
+    w = np.array([[0.5, -1.0, 2.0], [3.0, 0.25, -0.75]], dtype=np.float32)
+    with Graph(cpu) as g:
+        tx = g.param(x)
+        loss = g.dot_loss([(g.mul(tx, g.input(np.ones_like(x))), w)])
+        g.build([], loss)
+        seed = g.wrap(g.lib.ggml_graph_get_grad(g.gf, loss.ptr))
+        assert seed.ptr.flags & g.lib.GGML_TENSOR_FLAG_OUTPUT  # the allocator never reuses its memory
+        g.compute(poison=[seed])
+        np.testing.assert_array_equal(g.grad(tx).reshape(w.shape), w)  # dL/dx = w exactly (products by 1)

@@ -30,7 +30,7 @@ def where(request, lib):
     if name != "CPU":
         if name not in [n for n, _ in devices()]:
             pytest.skip(f"no {name} in the loaded build (a CPU build, or no GPU here): runs through tools/gpu-run.sh")
-    with Backend(name, n_threads=2) as be:
+    with Backend(name, n_threads=2 if name == "CPU" else None) as be:
         yield be, prec, d, BARS["f32" if prec == "f32" else "tf32"]
 
 
