@@ -179,6 +179,23 @@ class Tensor:
         return bool(load().ggml_is_contiguous(self.ptr))
 
 
+def walk(roots) -> tuple[list, list]:
+    """(nodes, leafs): the tensor pointers reachable from the root pointers through src, split by
+    ggml_visit_parents' rule (a tensor with no op that is not a parameter is a leaf); each once."""
+    seen: set[int] = set()
+    nodes, leafs = [], []
+    stack = list(roots)
+    while stack:
+        ptr = stack.pop()
+        key = int(ffi.cast("uintptr_t", ptr))
+        if key in seen:
+            continue
+        seen.add(key)
+        (leafs if int(ptr.op) == 0 and not int(ptr.flags) & FLAG_PARAM else nodes).append(ptr)
+        stack.extend(src for src in ptr.src if src != ffi.NULL)
+    return nodes, leafs
+
+
 def ggml_shape(array_shape: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy shape (slowest first) -> ggml ne (fastest first), padded with 1 to four dims."""
     if len(array_shape) > GGML_MAX_DIMS:
@@ -466,23 +483,9 @@ class Graph:
         self._pending = []
 
     def _count_forward(self, roots: list[Tensor]) -> tuple[int, int]:
-        """The nodes and leafs ggml_build_forward_expand would put in a graph for roots, counted in Python
-        (ggml_visit_parents' rule: a tensor with no op that is not a parameter is a leaf)."""
-        seen: set[int] = set()
-        stack = [t.ptr for t in roots]
-        nodes = leafs = 0
-        while stack:
-            ptr = stack.pop()
-            key = int(ffi.cast("uintptr_t", ptr))
-            if key in seen:
-                continue
-            seen.add(key)
-            if int(ptr.op) == 0 and not int(ptr.flags) & FLAG_PARAM:
-                leafs += 1
-            else:
-                nodes += 1
-            stack.extend(src for src in ptr.src if src != ffi.NULL)
-        return nodes, leafs
+        """The nodes and leafs ggml_build_forward_expand would put in a graph for roots, counted in Python."""
+        nodes, leafs = walk([t.ptr for t in roots])
+        return len(nodes), len(leafs)
 
     def find_nodes(self, op: int) -> list[Tensor]:
         """Graph nodes whose op is ``op`` (an enum ggml_op value)."""

@@ -40,7 +40,7 @@ import numpy as np
 
 from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.ffi import ffi, load
-from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape
+from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, walk
 
 GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: ggml_opt_init makes its static graphs this size (nodes and leafs)
 LOSS_NODES = 6  # nodes ggml-opt adds for its loss (MSE: sub, sqr, sum, scale; cross-entropy: loss, scale, argmaxes, count)
@@ -131,23 +131,6 @@ class _Native:
             self.sched.close()
             self.sched = None
         self.pars = self.graph = None
-
-
-def _walk(roots) -> tuple[list, list]:
-    """(nodes, leafs) reachable from the root pointers: ggml's rule, a tensor with no op that is not a
-    parameter is a leaf."""
-    seen: set[int] = set()
-    nodes, leafs = [], []
-    stack = list(roots)
-    while stack:
-        ptr = stack.pop()
-        key = int(ffi.cast("uintptr_t", ptr))
-        if key in seen:
-            continue
-        seen.add(key)
-        (leafs if int(ptr.op) == 0 and not int(ptr.flags) & FLAG_PARAM else nodes).append(ptr)
-        stack.extend(src for src in ptr.src if src != ffi.NULL)
-    return nodes, leafs
 
 
 def _op_name(lib, ptr) -> str:
@@ -291,7 +274,7 @@ class Optimizer:
         if loss == "cross_entropy" and (outputs.ne[2] != 1 or outputs.ne[3] != 1):
             raise InputError(f"cross_entropy needs outputs [C, N] (a matrix: ggml-opt's argmax asserts it), got "
                              f"{outputs.ne}: reshape the logits to [C, N] first")
-        nodes, leafs = _walk([outputs.ptr])
+        nodes, leafs = walk([outputs.ptr])
         if any(int(n.flags) & FLAG_LOSS for n in nodes):
             raise InputError("a node of the graph is already marked as a loss (ggml_set_loss): ggml-opt builds the "
                              "loss itself and asserts there is no other")
@@ -324,7 +307,7 @@ class Optimizer:
         views): ggml asserts each id is in [0, rows) and aborts otherwise."""
         get_rows = int(self.lib.GGML_OP_GET_ROWS)
         view_ops = {int(self.lib.GGML_OP_RESHAPE), int(self.lib.GGML_OP_VIEW)}
-        nodes, _ = _walk([self.outputs.ptr])
+        nodes, _ = walk([self.outputs.ptr])
         checks = []
         for n in nodes:
             if int(n.op) != get_rows:

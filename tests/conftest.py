@@ -27,11 +27,16 @@ def cpu_build():
 
 
 @pytest.fixture(scope="session")
-def lib(cpu_build):
-    """The loaded cffi library (stamp checked against this checkout)."""
+def lib(request):
+    """The loaded cffi library (stamp checked against this checkout): the one $HOTGGML_LIB_DIR names, else
+    this checkout's CPU build (built on first use)."""
+    import os
+
     from hotggml import ffi
 
-    ffi.load.cache_clear()  # a library loaded before the build above would be the wrong one
+    if not os.environ.get("HOTGGML_LIB_DIR"):
+        request.getfixturevalue("cpu_build")
+        ffi.load.cache_clear()  # a library loaded before the build above would be the wrong one
     return ffi.load()
 
 

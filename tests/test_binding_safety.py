@@ -9,34 +9,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
+from _misuse import run_child
 
 from hotggml import paths
 
 PRELUDE = """
 import numpy as np
 from hotggml import ops
-from hotggml.errors import HotggmlError
 from hotggml.graph import Backend, Graph
 be = Backend("CPU")
-def expect(exc, text, fn):
-    try:
-        fn()
-    except exc as e:
-        assert text in str(e), f"{type(e).__name__}: {e}"
-        assert isinstance(e, HotggmlError), f"{type(e).__name__} is not of hotggml's exception family"
-        print("raised", type(e).__name__)
-    else:
-        raise SystemExit("no exception")
 """
 
 
 def _run(body: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    code = PRELUDE + textwrap.dedent(body) + "\nprint('alive')\n"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT), **(env or {})})
+    return run_child(PRELUDE, body, env)
 
 
 CASES = {

@@ -5,13 +5,11 @@ hotggml's family, in a subprocess (a regression would abort the interpreter)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
+from _misuse import run_child
 
 from hotggml import paths
 from hotggml.errors import HotggmlError, InputError, InputTypeError, UsageError
@@ -19,17 +17,6 @@ from hotggml.graph import Backend, Graph
 from hotggml.opt import AdamW, Optimizer
 
 Din, Dout = 6, 4
-
-
-@pytest.fixture(scope="module")
-def lib(request):
-    """The library named by HOTGGML_LIB_DIR, else this checkout's CPU build (conftest builds it once)."""
-    from hotggml import ffi
-
-    if not os.environ.get("HOTGGML_LIB_DIR"):
-        request.getfixturevalue("cpu_build")
-        ffi.load.cache_clear()
-    return ffi.load()
 
 
 def _data(n: int, seed: int = 1):
@@ -232,19 +219,10 @@ def test_adamw_ranges(kw, exc, text):
 
 PRELUDE = """
 import numpy as np
-from hotggml.errors import HotggmlError, InputError, InputTypeError, UsageError
+from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.graph import Backend, Graph
 from hotggml.opt import AdamW, Optimizer
 be = Backend("CPU")
-def expect(exc, text, fn):
-    try:
-        fn()
-    except exc as e:
-        assert text in str(e), f"{type(e).__name__}: {e}"
-        assert isinstance(e, HotggmlError), f"{type(e).__name__} is not of hotggml's family"
-        print("raised", type(e).__name__, "-", e)
-    else:
-        raise SystemExit("no exception for: " + text)
 def linear(n=8):
     g = Graph(be)
     x = g.input(np.zeros((n, 6), np.float32))
@@ -254,9 +232,7 @@ def linear(n=8):
 
 
 def _run(body: str) -> subprocess.CompletedProcess:
-    code = PRELUDE + textwrap.dedent(body) + "\nprint('alive')\n"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    return run_child(PRELUDE, body)
 
 
 def test_bad_arguments_raise_instead_of_aborting(lib):

@@ -20,17 +20,6 @@ from hotggml.errors import InputError
 from hotggml.train_demo import DRIFT_TOL, LOSS_RATIO_BAR, DemoConfig
 
 
-@pytest.fixture(scope="module")
-def lib(request):
-    """The library named by HOTGGML_LIB_DIR, else this checkout's CPU build (conftest builds it once)."""
-    from hotggml import ffi
-
-    if not os.environ.get("HOTGGML_LIB_DIR"):
-        request.getfixturevalue("cpu_build")
-        ffi.load.cache_clear()
-    return ffi.load()
-
-
 def _hotggml(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "hotggml", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
