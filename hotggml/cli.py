@@ -43,9 +43,11 @@ input error, or a step that could not run (the message says which); 130 interrup
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code (EPILOG): errors are one line on stderr, never a traceback."""
-    parser = build_parser()
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    named = args_list[0] if args_list and args_list[0] in COMMANDS else None
+    parser = build_parser(only=named)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2, its message printed)
         return int(exc.code or 0)
     if not hasattr(args, "func"):
@@ -68,15 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every registered subcommand."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with every registered subcommand, or with command ``only`` alone: a
+    command imports its own module only (``prepare`` runs inside pip's build environment, which has the
+    build's requirements and not numpy, which train-demo's module needs)."""
     parser = argparse.ArgumentParser(prog="hotggml", description="pinned ggml + patch series tooling", epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     # every subcommand's --help shows its defaults
     subparsers.add_parser = _with_defaults_shown(subparsers.add_parser)
-    for target in COMMANDS.values():
-        _load(target)(subparsers)
+    for name, target in COMMANDS.items():
+        if only is None or name == only:
+            _load(target)(subparsers)
     return parser
 
 

@@ -95,7 +95,7 @@ def test_an_error_in_the_command_is_one_line(monkeypatch, capsys):
         raise OSError(21, "Is a directory", "/tmp")
 
     parser = cli.build_parser()
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda only=None: parser)
     parser._subparsers._group_actions[0].choices["probe"].set_defaults(func=boom)
     assert cli.main(["probe"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
@@ -113,7 +113,7 @@ def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path):
             f"    build._run(['sleep', '60'], Path({str(tmp_path / 'log')!r}), Path({str(tmp_path)!r}), 'compile')\n"
             "    return 0\n"
             "parser = cli.build_parser()\n"
-            "cli.build_parser = lambda: parser\n"
+            "cli.build_parser = lambda only=None: parser\n"
             "parser._subparsers._group_actions[0].choices['probe'].set_defaults(func=step)\n"
             "sys.exit(cli.main(['probe']))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -130,3 +130,17 @@ def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path):
     from hotggml import procs
 
     assert not procs.group_members(pgid)
+
+
+def test_a_command_imports_only_its_own_module():
+    # `pip install .` runs `hotggml prepare` in pip's build environment, which has no numpy: a command must
+    # not import the other commands' modules (train-demo's needs numpy). numpy made unimportable here.
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "from hotggml.cli import main\n"
+            "raise SystemExit(main(['prepare', '--help']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == 0, run.stderr
+    assert "usage: hotggml prepare" in run.stdout
+    full = _hotggml("--help")  # the full parser still lists every command
+    assert full.returncode == 0 and all(name in full.stdout for name in cli.COMMANDS)
