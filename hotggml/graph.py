@@ -425,10 +425,17 @@ class Graph:
         if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
             if loss.ne != (1, 1, 1, 1) or loss.dtype != np.float32:
                 raise InputError(f"loss must be an f32 scalar, got {loss.dtype} {loss.ne}")
-            if not any(int(t.ptr.flags) & FLAG_PARAM for t in self._leaves):
-                # ggml_build_backward_expand asserts (and kills the interpreter) when nothing is a parameter
-                raise InputError("build() with a loss needs at least one param() to differentiate: "
+            # ggml_build_backward_expand asserts (and kills the interpreter) when no node of the graph is a
+            # parameter, when the loss is a leaf, and where autodiff meets what it cannot differentiate
+            nodes, _ = walk([t.ptr for t in (*outputs, loss)])
+            if not any(int(n.flags) & FLAG_PARAM for n in nodes):
+                raise InputError("build() with a loss needs a param() that the outputs or the loss depend on: "
                                  "declare the leaves that need gradients with Graph.param")
+            if int(loss.ptr.op) == 0 and not int(loss.ptr.flags) & FLAG_PARAM:
+                raise InputError("the loss must be computed from the graph (an op's result), not an input")
+            from hotggml import autodiff  # it imports this module
+
+            autodiff.check([loss.ptr])
         roots = [*outputs, *([loss] if loss is not None else [])]
         n_nodes, n_leafs = self._count_forward(roots)
         room = self.max_nodes // (1 + BACKWARD_GROWTH) if loss is not None else self.max_nodes
@@ -614,7 +621,16 @@ class Graph:
         """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors."""
         self._need_graph()
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
+        if isinstance(poison, Tensor) or not isinstance(poison, (list, tuple)):
+            raise InputTypeError(f"poison must be a list of this Graph's tensors, got {type(poison).__name__}")
+        for t in poison:
+            if not isinstance(t, Tensor) or t.graph is not self:
+                raise InputTypeError("poison must be a list of this Graph's tensors"
+                                     + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
         self._allocate()
+        for t in poison:
+            if (t.ptr.view_src if t.ptr.view_src != ffi.NULL else t.ptr).buffer == ffi.NULL:
+                raise InputError(f"cannot poison {t.op_name} {t.ne}: it is not in the built graph (no memory)")
         for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
             self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
         if self._loss is not None:

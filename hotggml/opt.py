@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hotggml import autodiff
 from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.ffi import ffi, load
 from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, walk
@@ -46,16 +47,6 @@ GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: ggml_opt_init makes its static gra
 LOSS_NODES = 6  # nodes ggml-opt adds for its loss (MSE: sub, sqr, sum, scale; cross-entropy: loss, scale, argmaxes, count)
 FLAG_LOSS = 8  # enum ggml_tensor_flag GGML_TENSOR_FLAG_LOSS
 OPT_PERIOD_MAX = 2**31 - 1  # int32_t in struct ggml_opt_params
-
-# the cases of ggml_compute_backward (ggml.c) in the patched tree: a node that needs a gradient and whose op is
-# not here makes ggml's autodiff abort ("unsupported ggml op for backward pass")
-BACKWARD_OPS = frozenset("""NONE DUP ADD ADD1 ACC SUB MUL DIV SQR SQRT LOG SIN COS SUM SUM_ROWS MEAN REPEAT REPEAT_BACK
-    RMS_NORM MUL_MAT SCALE SET CPY CONT RESHAPE VIEW PERMUTE TRANSPOSE GET_ROWS DIAG_MASK_INF DIAG_MASK_ZERO SOFT_MAX
-    ROPE IM2COL POOL_2D WIN_PART WIN_UNPART UNARY CROSS_ENTROPY_LOSS GLU FLASH_ATTN_TRAIN""".split())
-BACKWARD_UNARY = frozenset("ABS SGN NEG STEP RELU SILU EXP EXPM1 SOFTPLUS".split())
-BACKWARD_GLU = frozenset({"SWIGLU"})
-# sources whose gradient ggml_build_backward_expand ignores: (op name, source index)
-IGNORED_SRC = {("IM2COL", 0), ("IM2COL_BACK", 0), ("CPY", 1), ("GET_ROWS", 1), ("GET_ROWS_BACK", 1), ("ROPE", 1)}
 
 # enum ggml_opt_loss_type
 LOSSES = {"mean": 0, "sum": 1, "cross_entropy": 2, "mse": 3}
@@ -133,51 +124,6 @@ class _Native:
         self.pars = self.graph = None
 
 
-def _op_name(lib, ptr) -> str:
-    name = ffi.string(lib.ggml_op_name(ptr.op)).decode()
-    if name == "UNARY":
-        return f"UNARY {ffi.string(lib.ggml_unary_op_name(lib.ggml_get_unary_op(ptr))).decode()}"
-    if name == "GLU":
-        return f"GLU {ffi.string(lib.ggml_glu_op_name(lib.ggml_get_glu_op(ptr))).decode()}"
-    return name
-
-
-def _without_backward(lib, root) -> list[str]:
-    """Names of the ops (sorted, once each) of nodes that need a gradient, by ggml_build_backward_expand's rule
-    (a parameter, or a non-I32 node with a source that needs one, ignored sources aside), and that
-    ggml_compute_backward has no case for."""
-    needs: dict[int, bool] = {}
-    missing: set[str] = set()
-    i32 = int(lib.GGML_TYPE_I32)
-    order, stack = [], [(root, False)]
-    while stack:  # post-order: every source before its consumer
-        ptr, done = stack.pop()
-        key = int(ffi.cast("uintptr_t", ptr))
-        if done:
-            order.append(ptr)
-            continue
-        if key in needs:
-            continue
-        needs[key] = False
-        stack.append((ptr, True))
-        stack.extend((src, False) for src in ptr.src if src != ffi.NULL)
-    for ptr in order:
-        key = int(ffi.cast("uintptr_t", ptr))
-        name = _op_name(lib, ptr)
-        if int(ptr.flags) & FLAG_PARAM:
-            needs[key] = True
-        elif int(ptr.type) != i32:
-            op = name.split()[0]
-            needs[key] = any(src != ffi.NULL and (op, j) not in IGNORED_SRC and needs[int(ffi.cast("uintptr_t", src))]
-                             for j, src in enumerate(ptr.src))
-        if not needs[key]:
-            continue
-        op, _, sub = name.partition(" ")
-        if op not in BACKWARD_OPS or (op == "UNARY" and sub not in BACKWARD_UNARY) or (op == "GLU" and sub not in BACKWARD_GLU):
-            missing.add(name)
-    return sorted(missing)
-
-
 def _same(a, b) -> bool:
     return int(ffi.cast("uintptr_t", a)) == int(ffi.cast("uintptr_t", b))
 
@@ -244,6 +190,11 @@ class Optimizer:
 
         from hotggml.sched import Scheduler
 
+        # checked before the Graph is frozen, so that a refusal leaves it usable: constant ids on the values
+        # freeze() is about to upload
+        self._index_checks = self._find_index_checks()
+        for t, values in graph._pending:
+            self._check_ids(t.ptr, values)
         graph.freeze("an Optimizer")  # inputs and params allocated and uploaded; the Graph is ours now
         # ggml_opt's graphs hold up to GRAPH_SIZE nodes and GRAPH_SIZE leafs: the scheduler's hash set
         # must take both (ggml_backend_sched asserts it)
@@ -257,7 +208,6 @@ class Optimizer:
         params.get_opt_pars_ud = self._native.pars
         params.optimizer = lib.GGML_OPT_OPTIMIZER_TYPE_ADAMW
         self._native.opt = lib.ggml_opt_init(params)
-        self._index_checks = self._find_index_checks()
 
     # -- checks ------------------------------------------------------------------------------------
     @staticmethod
@@ -280,10 +230,7 @@ class Optimizer:
                              "loss itself and asserts there is no other")
         if not any(_same(p, inputs.ptr) for p in leafs):
             raise InputError("outputs do not depend on inputs")
-        missing = _without_backward(lib, outputs.ptr)
-        if missing:
-            raise InputError(f"ggml's autodiff has no backward for {', '.join(missing)}, which a parameter's "
-                             "gradient must pass through (ggml would abort): use ops that have one")
+        autodiff.check([outputs.ptr])
         n_params = sum(1 for n in nodes if int(n.flags) & FLAG_PARAM)
         if n_params == 0:
             raise InputError("outputs depend on no param(): nothing to train (declare weights with Graph.param)")
@@ -302,22 +249,35 @@ class Optimizer:
             raise InputError(f"the Graph's context has {room} bytes left, ggml-opt needs up to {want}: make the "
                              f"Graph with a larger max_nodes (now {graph.max_nodes})")
 
-    def _find_index_checks(self) -> list[tuple[str, int]]:
-        """(op name, rows) for every GET_ROWS whose row ids are ``inputs`` (directly or through reshapes and
-        views): ggml asserts each id is in [0, rows) and aborts otherwise."""
-        get_rows = int(self.lib.GGML_OP_GET_ROWS)
-        view_ops = {int(self.lib.GGML_OP_RESHAPE), int(self.lib.GGML_OP_VIEW)}
+    def _find_index_checks(self) -> list[tuple[object, int]]:
+        """(leaf pointer, rows) for the row ids of every GET_ROWS, followed back to the leaf they come from
+        through ops that move values without changing them (reshape, view, permute, transpose, cont, cpy):
+        ggml asserts each id is in [0, rows) and aborts otherwise. Ids from ``inputs`` are checked at each
+        step, ids from a constant input() now and at each ``write``; ids computed by the graph cannot be
+        checked before ggml reads them, so they are refused (InputError)."""
+        lib = self.lib
+        get_rows = int(lib.GGML_OP_GET_ROWS)
+        moves = {int(getattr(lib, f"GGML_OP_{name}")) for name in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CONT", "CPY", "DUP")}
         nodes, _ = walk([self.outputs.ptr])
         checks = []
         for n in nodes:
             if int(n.op) != get_rows:
                 continue
             ids = n.src[1]
-            while ids != ffi.NULL and int(ids.op) in view_ops:
+            while int(ids.op) in moves:
                 ids = ids.src[0]
-            if ids != ffi.NULL and _same(ids, self.inputs.ptr):
-                checks.append(("get_rows", int(n.src[0].ne[1])))
+            if int(ids.op) != 0:
+                raise InputError(f"the row ids of a get_rows are computed by the graph ({autodiff.op_name(lib, ids)}): "
+                                 "they cannot be checked before ggml asserts on them; feed them from the inputs "
+                                 "or an input()")
+            checks.append((ids, int(n.src[0].ne[1])))
         return checks
+
+    def _check_ids(self, leaf, values: np.ndarray) -> None:
+        for ptr, rows in self._index_checks:
+            if _same(ptr, leaf) and values.size and (values.min() < 0 or values.max() >= rows):
+                raise InputError(f"ids that feed a get_rows of {rows} rows must lie in [0, {rows}), got "
+                                 f"[{values.min()}, {values.max()}]")
 
     def _need_open(self) -> None:
         if self._native.opt is None:
@@ -379,10 +339,7 @@ class Optimizer:
         """
         self._need_open()
         x = self._array_for(self.inputs, inputs, "inputs")
-        for op, rows in self._index_checks:
-            if x.size and (x.min() < 0 or x.max() >= rows):
-                raise InputError(f"inputs feed a {op} of {rows} rows: every id must be in [0, {rows}), got "
-                                 f"[{x.min()}, {x.max()}]")
+        self._check_ids(self.inputs.ptr, x)
         if self.loss in LABELLED:
             if labels is None:
                 raise InputError(f"loss {self.loss!r} needs labels shaped like outputs {self.outputs.ne}")
@@ -425,6 +382,7 @@ class Optimizer:
         if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
             raise InputError("only param() and input() leaves can be written")
         a = self._array_for(t, array, "array")
+        self._check_ids(t.ptr, a)
         self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(a), 0, a.nbytes)
 
     def compute_bytes(self) -> int:

@@ -525,3 +525,28 @@ def test_poison_never_clobbers_the_loss_seed(cpu):
         assert seed.ptr.flags & g.lib.GGML_TENSOR_FLAG_OUTPUT  # the allocator never reuses its memory
         g.compute(poison=[seed])
         np.testing.assert_array_equal(g.grad(tx).reshape(w.shape), w)  # dL/dx = w exactly (products by 1)
+
+
+def test_poison_takes_only_this_graphs_built_tensors(cpu):
+    from hotggml.errors import InputError, InputTypeError
+
+    x = np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3)
+    with Graph(cpu) as g, Graph(cpu) as g2:
+        p2 = g2.param(x)
+        g2.build([p2], g2.sum(g2.mul(p2, g2.input(np.ones_like(x)))))
+        tx = g.param(x)
+        y = g.mul(tx, g.input(np.ones_like(x)))
+        stray = g.cont(tx)  # made, never built into the graph: no memory (ggml asserts on its buffer)
+        g.build([y], g.sum(y))
+        with pytest.raises(InputTypeError, match="this Graph's tensors"):
+            g.compute(poison=[p2])  # another graph's param: would be overwritten silently
+        with pytest.raises(InputTypeError, match="list of this Graph's tensors"):
+            g.compute(poison=y)
+        with pytest.raises(InputTypeError, match="got a ndarray"):
+            g.compute(poison=[np.zeros(3)])
+        with pytest.raises(InputError, match="not in the built graph"):
+            g.compute(poison=[stray])
+        g2.compute()
+        np.testing.assert_array_equal(g2.read(p2).reshape(x.shape), x)  # untouched
+        g.compute(poison=[y])
+        np.testing.assert_array_equal(g.read(y).reshape(x.shape), x)

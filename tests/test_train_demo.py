@@ -77,6 +77,8 @@ def test_usage_errors():
     assert _hotggml("train-demo", "--every", "0").returncode == 2
     run = _hotggml("train-demo", "--steps", "5")
     assert run.returncode == 2 and "steps must be >" in run.stderr
+    run = _hotggml("train-demo", "--seed", "-1")  # one error line before any training, not NumPy's traceback
+    assert run.returncode == 2 and "seed must be" in run.stderr and "Traceback" not in run.stderr
     with pytest.raises(InputError, match="multiple"):
         DemoConfig(heads=4, kv_heads=3)
     with pytest.raises(InputError, match="length"):
