@@ -329,10 +329,18 @@ def _json_path(text: str) -> str:
     from pathlib import Path
 
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder: give a file name")
     if not path.resolve().parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: no such folder {path.resolve().parent}")
+    existed = path.exists()
+    try:  # opened for append, as the end of the run will: permissions, read-only or pseudo file systems
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text} cannot be written: {exc.strerror}") from None
+    if not existed:
+        path.unlink(missing_ok=True)  # nothing left behind by the check
     return text
 
 

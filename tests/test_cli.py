@@ -37,6 +37,11 @@ def test_json_pointing_at_a_folder_is_refused_before_the_run(tmp_path):
         run = _hotggml(*command, "--json", str(tmp_path / "no" / "such" / "x.json"))
         assert run.returncode == cli.EXIT_ERROR and "no such folder" in run.stderr
         assert "Traceback" not in run.stderr
+    # a folder that exists but takes no new file (a pseudo file system): refused before the run too
+    run = _hotggml("train-demo", "--json", "/proc/x.json")
+    assert run.returncode == cli.EXIT_ERROR and "cannot be written" in run.stderr and "Traceback" not in run.stderr
+    target = tmp_path / "fresh.json"  # the check leaves no file behind
+    assert cli._json_path(str(target)) == str(target) and not target.exists()
 
 
 def test_list_prints_the_selected_cases_and_runs_nothing():
