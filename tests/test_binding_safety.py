@@ -38,7 +38,7 @@ CASES = {
     """,
     "loss without params": """
         g = Graph(be); x = g.input(np.ones((2, 3), np.float32))
-        expect(ValueError, "at least one param()", lambda: g.build([x], g.sum(x)))
+        expect(ValueError, "needs a param()", lambda: g.build([x], g.sum(x)))
         p = g.param(np.ones((2, 3), np.float32))  # refused before anything was built: still usable
         g.build([p], g.sum(p)); g.compute()
         assert (g.grad(p) == 1).all()
