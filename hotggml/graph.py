@@ -667,9 +667,9 @@ class Graph:
         return np.array(view, copy=True)
 
     def grad(self, t: Tensor) -> np.ndarray | None:
-        """dL/dt in t's logical shape, or None if t got no gradient (it does not reach the loss).
+        """dL/dt of a param() leaf in t's logical shape, or None if t got no gradient (it does not reach the loss).
 
-        Raises UsageError when build() was given no loss (there are no gradients at all), before build()
+        Raises InputError for a computed node whose gradient build() did not keep, UsageError when build() was given no loss (there are no gradients at all), before build()
         or compute(), or after close(); InputTypeError for a tensor of another Graph."""
         self._need_graph()
         self.own(t)
@@ -678,6 +678,10 @@ class Graph:
         g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
         if g == ffi.NULL:
             return None
+        if not int(g.flags) & FLAG_OUTPUT:  # build() keeps the params' gradients only
+            raise InputError(f"the gradient of {t.op_name} {t.ne} is not kept (the allocator reuses its memory; "
+                             "autodiff may also keep it in another shape, e.g. dO alone for a flash_attn_train "
+                             "result): grad() reads the gradients of param() leaves")
         return self.read(Tensor(self, g))
 
     # what the Graph owns in C lives in self._native (see _Native), so that the collector can free it

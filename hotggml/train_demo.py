@@ -81,6 +81,8 @@ class DemoConfig:
                 raise InputError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InputError(f"seed must be an int in [0, 2**63) (NumPy's generators take no negative seed), got {self.seed!r}")
+        if self.threads > 512:  # the CPU backend's bound (hotggml.graph.Backend)
+            raise InputError(f"threads must be in [1, 512], got {self.threads}")
         if self.symbols < 2 or self.length < 2:
             raise InputError("symbols and length must be >= 2 (a reversal of one symbol needs no attention)")
         if self.heads % self.kv_heads:

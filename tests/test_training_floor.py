@@ -191,3 +191,13 @@ def test_fused_arena_at_s3000_under_9_percent_of_chain():
 
     fused, chain = arena_bytes(replace(DIT_FULL, S=3000, Skv=3000))
     assert fused <= 0.09 * chain, f"fused {fused / 2**20:.1f} MiB is {fused / chain:.1%} of the chain's {chain / 2**20:.1f} MiB"
+
+
+def test_grad_of_the_packed_forward_is_refused_by_name(cpu, cpu_data):
+    # autodiff keeps the packed forward's gradient as dO alone (another shape) in memory it reuses
+    g, t = _graph((cpu, "f32", 16, BARS["f32"]), cpu_data, "qkv")
+    with g:
+        (fwd,) = g.find_nodes(ops.OP_FLASH_ATTN_TRAIN)
+        with pytest.raises(InputError, match="FLASH_ATTN_TRAIN .* is not kept"):
+            g.grad(fwd)
+        assert g.grad(t["q"]) is not None
