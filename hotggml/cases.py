@@ -201,6 +201,10 @@ SMOKE = [
     Case("nan-padding-keys", B=2, Nh=4, Nkv=2, D=16, S=24, Skv=40, mask="padding", pad_keys=3, garbage=True),
     Case("one-hot-rows", Nh=2, Nkv=1, D=16, S=17, Skv=17, qk_gain=100.0, seed=1, tags=("cancel", "one-hot")),
     Case("near-constant-v", Nh=2, Nkv=1, D=16, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, tags=("cancel",)),
+    # the same at a head size of the CUDA register kernels, whose f32 mode is the compensated (3xTF32) product:
+    # there dS cancels to the f32 bar against the natural magnitude, not exactly (no 'one-hot' tag)
+    Case("one-hot-rows-d64", Nh=2, Nkv=1, D=64, S=17, Skv=40, qk_gain=100.0, seed=1, tags=("cancel",)),
+    Case("near-constant-v-d64", Nh=2, Nkv=1, D=64, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, tags=("cancel",)),
     # head sizes with register kernels on CUDA (D = Dv in {64, 128}): partial tiles, q as a view (no float4
     # rows), padding keys holding NaN, and a causal tail with S != Skv under GQA 4
     Case("reg-view-padding", B=2, Nh=4, Nkv=2, D=64, S=70, Skv=90, mask="padding", pad_keys=3, q_view=True,

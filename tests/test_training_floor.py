@@ -25,7 +25,8 @@ def _on_cuda(prec: str, d: int):
 @pytest.fixture(params=[pytest.param(("CPU", "f32", 16), id="CPU-f32-D16"), _on_cuda("f32", 128),
                         _on_cuda("default", 128), _on_cuda("default", 256)])
 def where(request, lib):
-    """(backend, prec, D, bar): the CPU at f32, and CUDA0's scalar f32 and TF32 register kernels."""
+    """(backend, prec, D, bar): the CPU at f32, and CUDA0's register kernels at f32 (the compensated
+    3xTF32 product) and TF32."""
     name, prec, d = request.param
     if name != "CPU":
         if name not in [n for n, _ in devices()]:

@@ -17,11 +17,25 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
 {
     python3 -m hotggml fetch ${sdist:+--sdist "$sdist"} && python3 -m hotggml patches apply || exit 1
     w=.hotggml/work/ggml
-    nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
-        -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness || exit 1
+    # VARIANTS='-DX=1;-DX=2': one harness per set of defines (compiled in parallel), each run on every shape,
+    # the variants alternated twice (paired at equal shape, for defines the patched source reads)
+    IFS=';' read -r -a variants <<< "${VARIANTS:-}"
+    rm -f /tmp/fa_harness*
+    [ ${#variants[@]} -gt 0 ] || variants=("")
+    for i in "${!variants[@]}"; do
+        nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90} ${variants[$i]} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
+            -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness$i &
+    done
+    wait
+    for i in "${!variants[@]}"; do [ -x /tmp/fa_harness$i ] || exit 1; done
     for shape in "$@"; do
         if [ -z "${NCU:-}" ]; then
-            /tmp/fa_harness $shape || exit 1
+            for round in $([ ${#variants[@]} -gt 1 ] && echo 1 2 || echo 1); do
+                for i in "${!variants[@]}"; do
+                    [ ${#variants[@]} -gt 1 ] && echo "=== variant '${variants[$i]}' round $round"
+                    /tmp/fa_harness$i $shape || exit 1
+                done
+            done
             continue
         fi
         for k in $NCU; do
@@ -29,7 +43,7 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
             ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
                 --section WarpStateStats --section SchedulerStats --section LaunchStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/fa_harness $shape \
+                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/fa_harness0 $shape \
                 | sed -n '/==PROF==/,$p' | grep -v '^  *-\+ *-' || exit 1
         done
     done

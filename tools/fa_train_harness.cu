@@ -178,14 +178,17 @@ int main(int argc, char ** argv) {
     uint8_t * cells = nullptr;
     if (p.mask) CK(cudaMalloc(&cells, fa_train_cells_bytes(p)));
     auto with_cells = [&]() { fa_train_params pc = p; fa_train_cells_fill(pc, cells, 0); return pc; };
-    auto v2 = [&]() { fa_train_tf32_reg_launch(Dreg, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
+    auto v2 = [&]() { fa_train_reg_launch(Dreg, false, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
+    // the "x3" arm: the register kernels with the compensated product (the f32 precision on sm_80+)
+    auto va = [&]() { fa_train_reg_launch(Dreg, true, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
 
-    std::vector<float> Or, Lr, O1, L1, O2, L2;
+    std::vector<float> Or, Lr, O1, L1, O2, L2, Oa, La;
     run_read(f32, Or, Lr);
     as_test();
     run_read(v1, O1, L1);
-    const bool have_v2 = Dreg != 0;
+    const bool have_v2 = Dreg != 0, have_alt = Dreg != 0;
     if (have_v2) run_read(v2, O2, L2);
+    if (have_alt) run_read(va, Oa, La);
     double visible = 0;
     for (int i = 0; i < S; ++i) for (int j = 0; j < Skv; ++j) visible += m.empty() || !std::isinf(__half2float(m[(size_t) i*Skv + j]));
     const double flops = 2.0*(2.0*D)*Nh*visible;
@@ -201,6 +204,11 @@ int main(int argc, char ** argv) {
         const float t2 = time_ms(v2);
         printf("  tf32 reg %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e  (v1/reg %.2fx)\n", t2, flops/t2/1e9, worst_rel(O2, Or), worst_rel(L2, Lr), t1/t2);
     }
+    if (have_alt) {
+        const float ta = time_ms(va), t2 = time_ms(v2);
+        printf("  f32 x3   %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e  (x3/reg %.3fx, reg timed again %.3f ms)\n", ta, flops/ta/1e9,
+               worst_rel(Oa, Or), worst_rel(La, Lr), ta/t2, t2);
+    }
 
     // backward: O and LSE of the f32 forward, random dO, D_i; each path's dQ, dK, dV against the f32 kernels'
     std::vector<float> dO(nO);
@@ -213,6 +221,7 @@ int main(int argc, char ** argv) {
         printf("  vs float64: fwd f32 O %.2e LSE %.2e | tf32 v1 O %.2e LSE %.2e", worst_rel_d(Or, ref.O), worst_rel_d(Lr, ref.L),
                worst_rel_d(O1, ref.O), worst_rel_d(L1, ref.L));
         if (have_v2) printf(" | tf32 reg O %.2e LSE %.2e", worst_rel_d(O2, ref.O), worst_rel_d(L2, ref.L));
+        if (have_alt) printf(" | f32 x3 O %.2e LSE %.2e", worst_rel_d(Oa, ref.O), worst_rel_d(La, ref.L));
         printf("\n");
         for (size_t e = 0; e < ref.O.size(); ++e) Or[e] = (float) ref.O[e];
         for (size_t e = 0; e < ref.L.size(); ++e) Lr[e] = (float) ref.L[e];
@@ -237,8 +246,8 @@ int main(int argc, char ** argv) {
     auto dkv_v1  = [&]() { const int N = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dkv_tf32, dim3((Skv + N - 1)/N, Nkv, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 2).total*sizeof(float), p); };
     auto dq_reg  = [&]() { // the cells once per backward: with dQ
         const fa_train_params pc = with_cells();
-        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128>(pc, 0); break;
-                        default: fa_train_bwd_dq_tf32_reg_launch<256>(pc, 0); }
+        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64, false>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128, false>(pc, 0); break;
+                        default: fa_train_bwd_dq_tf32_reg_launch<256, false>(pc, 0); }
     };
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     const int split = fa_dkv_split(p, nsm);
@@ -246,10 +255,21 @@ int main(int argc, char ** argv) {
     auto dkv_reg = [&]() { // split as the backend does it
         fa_train_params ps = p; ps.kv_split = split;
         if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
-        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128>(ps, scratch, 0); break;
-                        default: fa_train_bwd_dkv_tf32_reg_launch<256>(ps, scratch, 0); }
+        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64, false>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128, false>(ps, scratch, 0); break;
+                        default: fa_train_bwd_dkv_tf32_reg_launch<256, false>(ps, scratch, 0); }
     };
-    std::vector<float> gr[3], g1[3], g2[3];
+    auto dq_alt = [&]() {
+        const fa_train_params pc = with_cells();
+        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64, true>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128, true>(pc, 0); break;
+                        default: fa_train_bwd_dq_tf32_reg_launch<256, true>(pc, 0); }
+    };
+    auto dkv_alt = [&]() {
+        fa_train_params ps = p; ps.kv_split = split;
+        if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
+        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64, true>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128, true>(ps, scratch, 0); break;
+                        default: fa_train_bwd_dkv_tf32_reg_launch<256, true>(ps, scratch, 0); }
+    };
+    std::vector<float> gr[3], g1[3], g2[3], ga[3];
     as_ref();
     grads(dq_f32, dkv_f32, gr);
     const float tdq_f = time_ms(dq_f32), tkv_f = time_ms(dkv_f32);
@@ -274,6 +294,17 @@ int main(int argc, char ** argv) {
         if (ref64) {
             printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
                    worst_rel_d(g2[0], ref.dQ), worst_rel_d(g2[1], ref.dK), worst_rel_d(g2[2], ref.dV));
+        }
+    }
+    if (have_alt) {
+        grads(dq_alt, dkv_alt, ga);
+        const float tdqa = time_ms(dq_alt), tkva = time_ms(dkv_alt), tdq2 = time_ms(dq_reg), tkv2 = time_ms(dkv_reg);
+        printf("  f32 x3   dQ %8.3f ms dKV %8.3f ms  %6.1f TFLOP/s  err dQ %.2e dK %.2e dV %.2e  (x3/reg %.3fx; reg again %.3f + %.3f ms)\n",
+               tdqa, tkva, bflops/(tdqa + tkva)/1e9, worst_rel(ga[0], gr[0]), worst_rel(ga[1], gr[1]), worst_rel(ga[2], gr[2]),
+               (tdqa + tkva)/(tdq2 + tkv2), tdq2, tkv2);
+        if (ref64) {
+            printf("  vs float64: bwd f32 x3 dQ %.2e dK %.2e dV %.2e\n",
+                   worst_rel_d(ga[0], ref.dQ), worst_rel_d(ga[1], ref.dK), worst_rel_d(ga[2], ref.dV));
         }
     }
     return 0;

@@ -58,7 +58,7 @@ step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --n
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
 step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
-step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --no-f32 --json "$out/bench-chunk.json"
+step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --json "$out/bench-chunk.json"
 step probe-field pass hg probe --backend cuda --set field
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
