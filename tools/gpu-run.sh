@@ -4,7 +4,7 @@
 # Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
 # the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
 # probe, parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
-# grad modes), the long-context chunk on TF32 against the per-head float64 oracle, the CUDA tests (with
+# grad modes), the long-context chunk on TF32 and f32 against the per-head float64 oracle, the CUDA tests (with
 # the split graph: forward on CUDA0, backward pinned to the CPU), the field table (TF32 and f32 fused vs
 # the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, a per-node
 # profile), probe at every field geometry, and the
@@ -56,6 +56,7 @@ step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec def
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
 step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
+step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
 step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
 step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --json "$out/bench-chunk.json"
