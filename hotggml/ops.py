@@ -65,7 +65,9 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
                      prec: str = "default", causal: bool = False, window: int | None = None) -> Tensor:
     """Packed forward: O [Dv, Nh, S, B] at 0 and LSE [Nh, S, B] after it (views: get_o, get_lse).
 
-    LSE_i = log sum_j exp(scale*q_i.k_j + mask_ij) (natural log). prec: 'default' or 'f32'.
+    LSE_i = log sum_j exp(scale*q_i.k_j + mask_ij) (natural log). prec: 'default' (TF32 tensor cores on
+    CUDA sm_80+) or 'f32' (f32 accuracy: on CUDA sm_80+ at D = Dv in {64, 128, 256} a compensated 3xTF32
+    product, elsewhere scalar f32; the CPU is f32 either way).
     Implicit masks (ggml.h, never stored), with i' = i + Skv - S: ``causal`` shows key j to query i
     iff j <= i'; ``window`` (an int >= 0) iff |i' - j| <= window. They combine with each other and with
     ``mask``: an entry is visible iff every one allows it. The autodiff backward inherits them.
