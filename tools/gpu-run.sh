@@ -58,6 +58,7 @@ step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --n
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
 step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
+step nan-inputs pass python3 -m pytest tests/test_nan_inputs.py -v -m cuda -rs -p no:cacheprovider
 step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
 step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --json "$out/bench-chunk.json"
 step probe-field pass hg probe --backend cuda --set field
