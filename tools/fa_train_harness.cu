@@ -244,31 +244,29 @@ int main(int argc, char ** argv) {
     auto dkv_f32 = [&]() { const int BC = FA_TRAIN_BC; launch_k(fa_train_bwd_dkv_f32, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, D, 2).total*sizeof(float), p); };
     auto dq_v1   = [&]() { const int R = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dq_tf32, dim3((S + R - 1)/R, Nh, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 1).total*sizeof(float), p); };
     auto dkv_v1  = [&]() { const int N = 16*FA_TRAIN_MMA_NW; launch_k(fa_train_bwd_dkv_tf32, dim3((Skv + N - 1)/N, Nkv, 1), dim3(WARP_SIZE, FA_TRAIN_MMA_NW), fa_mma_get_layout(D, D, 2).total*sizeof(float), p); };
-    auto dq_reg  = [&]() { // the cells once per backward: with dQ
-        const fa_train_params pc = with_cells();
-        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64, false>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128, false>(pc, 0); break;
-                        default: fa_train_bwd_dq_tf32_reg_launch<256, false>(pc, 0); }
-    };
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     const int split = fa_dkv_split(p, nsm);
     float * scratch; CK(cudaMalloc(&scratch, 2*(size_t) split*nK*sizeof(float)));
-    auto dkv_reg = [&]() { // split as the backend does it
-        fa_train_params ps = p; ps.kv_split = split;
-        if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
-        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64, false>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128, false>(ps, scratch, 0); break;
-                        default: fa_train_bwd_dkv_tf32_reg_launch<256, false>(ps, scratch, 0); }
+    // the register backward as the backend launches it (one grid, dK/dV split as the backend does it), or
+    // one kind of its blocks alone: want 1 = dQ, 2 = dK/dV, 3 = both
+    auto bwd_reg = [&](bool x3, int want) {
+        fa_train_params ps = p; // the cells once per backward: with dQ (dK/dV alone reads those dQ's launch left)
+        if (want & 1) ps = with_cells();
+        else if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
+        ps.kv_split = split;
+        if (!(want & 1)) ps.dQ = nullptr;
+        if (!(want & 2)) ps.dK = ps.dV = nullptr;
+        switch (Dreg) { case 64: x3 ? fa_train_bwd_tf32_reg_launch<64, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<64, false>(ps, scratch, 0); break;
+                        case 128: x3 ? fa_train_bwd_tf32_reg_launch<128, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<128, false>(ps, scratch, 0); break;
+                        default: x3 ? fa_train_bwd_tf32_reg_launch<256, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<256, false>(ps, scratch, 0); }
+        CK(cudaGetLastError());
     };
-    auto dq_alt = [&]() {
-        const fa_train_params pc = with_cells();
-        switch (Dreg) { case 64: fa_train_bwd_dq_tf32_reg_launch<64, true>(pc, 0); break; case 128: fa_train_bwd_dq_tf32_reg_launch<128, true>(pc, 0); break;
-                        default: fa_train_bwd_dq_tf32_reg_launch<256, true>(pc, 0); }
-    };
-    auto dkv_alt = [&]() {
-        fa_train_params ps = p; ps.kv_split = split;
-        if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
-        switch (Dreg) { case 64: fa_train_bwd_dkv_tf32_reg_launch<64, true>(ps, scratch, 0); break; case 128: fa_train_bwd_dkv_tf32_reg_launch<128, true>(ps, scratch, 0); break;
-                        default: fa_train_bwd_dkv_tf32_reg_launch<256, true>(ps, scratch, 0); }
-    };
+    auto dq_reg  = [&]() { bwd_reg(false, 1); };
+    auto dkv_reg = [&]() { bwd_reg(false, 2); };
+    auto bwd_one = [&]() { bwd_reg(false, 3); };
+    auto nothing = [&]() {};
+    auto dq_alt  = [&]() { bwd_reg(true, 1); };
+    auto dkv_alt = [&]() { bwd_reg(true, 2); };
     std::vector<float> gr[3], g1[3], g2[3], ga[3];
     as_ref();
     grads(dq_f32, dkv_f32, gr);
@@ -295,6 +293,13 @@ int main(int argc, char ** argv) {
             printf("  vs float64: bwd tf32 reg dQ %.2e dK %.2e dV %.2e\n",
                    worst_rel_d(g2[0], ref.dQ), worst_rel_d(g2[1], ref.dK), worst_rel_d(g2[2], ref.dV));
         }
+        // the one grid: the same bits as the kinds launched alone, and its time against their sum
+        std::vector<float> g3[3];
+        grads(bwd_one, nothing, g3);
+        const bool same = g3[0] == g2[0] && g3[1] == g2[1] && g3[2] == g2[2];
+        const float t1g = time_ms(bwd_one), tsep = time_ms(dq_reg) + time_ms(dkv_reg), t1g2 = time_ms(bwd_one);
+        printf("  tf32 reg one grid %8.3f ms (again %.3f), dQ + dKV alone %.3f ms: one/alone %.3fx, %s\n",
+               t1g, t1g2, tsep, std::min(t1g, t1g2)/tsep, same ? "bitwise the same" : "DIFFERENT BITS");
     }
     if (have_alt) {
         grads(dq_alt, dkv_alt, ga);
