@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80 and sm_90, so a
+# Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
+# wgmma path of the register kernels), so a
 # kernel or dispatch that does not compile fails the gate on a machine without a GPU. cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
@@ -34,7 +35,7 @@ fi
 mapfile -t sources < <(sed -n 's|^diff --git a/\(src/ggml-cuda/[^ ]*\.cu\) .*|\1|p' $(sed 's|^|patches/|' patches/series) | sort -u)
 [ ${#sources[@]} -gt 0 ] || { echo "cuda-compile: no CUDA source in the series"; exit 1; }
 out=$(mktemp -d)
-for arch in 80 90; do
+for arch in 80 90 90a; do
     for src in "${sources[@]}"; do
         echo "nvcc sm_$arch $src"
         nvcc -c -std=c++17 -arch="sm_$arch" -DNDEBUG -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" \
@@ -42,4 +43,4 @@ for arch in 80 90; do
     done
 done
 rm -rf "$out"
-echo "cuda-compile: ok: ${sources[*]} for sm_80 and sm_90 in $((SECONDS - start)) s"
+echo "cuda-compile: ok: ${sources[*]} for sm_80, sm_90 and sm_90a in $((SECONDS - start)) s"

@@ -23,7 +23,7 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
     rm -f /tmp/fa_harness*
     [ ${#variants[@]} -gt 0 ] || variants=("")
     for i in "${!variants[@]}"; do
-        nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90} ${variants[$i]} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
+        nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90a} ${variants[$i]} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
             -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness$i &
     done
     wait

@@ -2,8 +2,8 @@
 # The one-call GPU runner (run on the GPU machine, from the repository root):
 #   bash tools/gpu-run.sh OUTDIR
 # Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
-# the series, builds the CUDA backend for CUDA_ARCH (default 90, an H200), then runs the mma lane-map
-# probe, parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
+# the series, builds the CUDA backend for CUDA_ARCH (default 90a, an H200), then runs the mma lane-map
+# probe, the wgmma operand-layout probe (sm_XXa), parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
 # grad modes), the long-context chunk on TF32 and f32 against the per-head float64 oracle, the CUDA tests (with
 # the split graph: forward on CUDA0, backward pinned to the CPU), the field table (TF32 and f32 fused vs
 # the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, a per-node
@@ -44,12 +44,16 @@ step() {
 
 hg() { python3 -m hotggml "$@"; }
 sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
-arch=${CUDA_ARCH:-90}
+# 90a: the H200's architecture-specific features (wgmma: the register kernels' A B^T products; plain 90 builds
+# run them on mma.sync)
+arch=${CUDA_ARCH:-90a}
 
 step device pass nvidia-smi -L
 step mma-probe pass bash -c "nvcc -arch=sm_$arch -o /tmp/mma_probe tools/mma_probe.cu && /tmp/mma_probe"
 step fetch pass hg fetch ${sdist:+--sdist "$sdist"}
 step apply pass hg patches apply
+w=.hotggml/work/ggml
+[[ $arch == *a ]] && step wgmma-probe pass bash -c "nvcc -std=c++17 -arch=sm_$arch -I$w/include -I$w/src -I$w/src/ggml-cuda tools/wgmma_probe.cu -Xlinker --unresolved-symbols=ignore-all -o /tmp/wgmma_probe && /tmp/wgmma_probe"
 step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)" --tests
 step parity-f32 pass hg parity --backend cuda --set smoke --set real --prec f32 --json "$out/parity-f32.json"
 step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec default --json "$out/parity-tf32.json"
