@@ -42,5 +42,11 @@ for arch in 80 90 90a; do
             -I"$inc" "$tree/$src" -o "$out/$(basename "$src" .cu)-sm_$arch.o" || exit 1
     done
 done
+# the device tools that include the kernels (the wgmma probe, the kernel harness): they must follow the kernels' API
+for tool in tools/wgmma_probe.cu tools/fa_train_harness.cu; do
+    echo "nvcc sm_90a $tool"
+    nvcc -c -std=c++17 -arch=sm_90a -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" -I"$inc" "$tool" \
+        -o "$out/$(basename "$tool" .cu).o" || exit 1
+done
 rm -rf "$out"
-echo "cuda-compile: ok: ${sources[*]} for sm_80, sm_90 and sm_90a in $((SECONDS - start)) s"
+echo "cuda-compile: ok: ${sources[*]} for sm_80, sm_90 and sm_90a, and the device tools, in $((SECONDS - start)) s"

@@ -1,9 +1,10 @@
 // The wgmma operand layout of the flash-attention training kernels, checked on the device (sm_90a):
 //   nvcc -std=c++17 -arch=sm_90a -I<ggml>/include -I<ggml>/src -I<ggml>/src/ggml-cuda tools/wgmma_probe.cu \
 //        -Xlinker --unresolved-symbols=ignore-all -o /tmp/wgmma_probe && /tmp/wgmma_probe
-// Stages A (64 x K) and B (N x K) with fa_stage_async in the wgmma's swizzled layout, runs fa_wgmma_abt (one
-// warpgroup) and compares each warp's accumulator tiles with A B^T computed on the host in double. Values are
-// small integers (exact in TF32 and f32), so any layout error shows as a mismatch, not as rounding.
+// Stages A, A2 (64 x K) and B, B2 (N x K) with fa_stage_async in the wgmma's swizzled layout, runs fa_abt with
+// two products (one warpgroup: C = A B^T and E = A2 B2^T, k steps alternating in one commit group) and compares
+// each warp's accumulator tiles with the products computed on the host in double. Values are small integers
+// (exact in TF32 and f32), so any layout error shows as a mismatch, not as rounding.
 #include "ggml-cuda/fattn-train.cu"
 
 #include <cstdio>
@@ -13,20 +14,26 @@ template <int NS, int K>
 static __global__ void probe_kernel(const float * A, const float * B, float * C) {
     extern __shared__ float raw[];
     float * sm = fa_smem_aligned(raw);
-    float * As = sm, * Bs = sm + 64*K;
+    constexpr int N = 8*NS;
+    float * As = sm, * Bs = sm + 64*K, * A2s = Bs + N*K, * B2s = A2s + 64*K;
     fa_stage_async<K, 64, 1, true>(As, A, K, 64, true);
-    fa_stage_async<K, 8*NS, 1, true>(Bs, B, K, 8*NS, true);
+    fa_stage_async<K, N, 1, true>(Bs, B, K, N, true);
+    fa_stage_async<K, 64, 1, true>(A2s, A + 64*K, K, 64, true);
+    fa_stage_async<K, N, 1, true>(B2s, B + N*K, K, N, true);
     fa_async_commit();
     cp_async_wait_all();
     fa_finish_tile<K, 64, 1, false>(As, nullptr);
-    fa_finish_tile<K, 8*NS, 1, false>(Bs, nullptr);
+    fa_finish_tile<K, N, 1, false>(Bs, nullptr);
+    fa_finish_tile<K, 64, 1, false>(A2s, nullptr);
+    fa_finish_tile<K, N, 1, false>(B2s, nullptr);
     __syncthreads();
-    tile<16, 8, float> S[NS];
-    fa_abt<NS, K, K, 64, 8*NS, false>(S, As, 0, Bs);
+    tile<16, 8, float> S[NS], E[NS];
+    fa_abt<NS, K, K, 64, N, false, true>(S, As, 0, Bs, E, A2s, B2s);
     const int g = threadIdx.x / 4, t = threadIdx.x % 4, r0 = threadIdx.y*16;
     for (int n = 0; n < NS; ++n) {
         for (int e = 0; e < 4; ++e) {
-            C[(r0 + g + 8*(e/2))*8*NS + 8*n + 2*t + e%2] = S[n].x[e];
+            C[(r0 + g + 8*(e/2))*N + 8*n + 2*t + e%2] = S[n].x[e];
+            C[64*N + (r0 + g + 8*(e/2))*N + 8*n + 2*t + e%2] = E[n].x[e];
         }
     }
 }
@@ -34,15 +41,15 @@ static __global__ void probe_kernel(const float * A, const float * B, float * C)
 template <int NS, int K>
 static int probe() {
     const int N = 8*NS;
-    std::vector<float> A(64*K), B(N*K), C(64*N);
-    for (int r = 0; r < 64; ++r) for (int k = 0; k < K; ++k) A[r*K + k] = (float) ((r*7 + k*3) % 11 - 5);
-    for (int n = 0; n < N; ++n) for (int k = 0; k < K; ++k) B[n*K + k] = (float) ((n*5 + k*13) % 9 - 4);
+    std::vector<float> A(2*64*K), B(2*N*K), C(2*64*N); // the second halves: A2, B2, E
+    for (int r = 0; r < 128; ++r) for (int k = 0; k < K; ++k) A[r*K + k] = (float) ((r*7 + k*3) % 11 - 5);
+    for (int n = 0; n < 2*N; ++n) for (int k = 0; k < K; ++k) B[n*K + k] = (float) ((n*5 + k*13) % 9 - 4);
     float * dA, * dB, * dC;
     cudaMalloc(&dA, A.size()*4); cudaMalloc(&dB, B.size()*4); cudaMalloc(&dC, C.size()*4);
     cudaMemcpy(dA, A.data(), A.size()*4, cudaMemcpyHostToDevice);
     cudaMemcpy(dB, B.data(), B.size()*4, cudaMemcpyHostToDevice);
     cudaMemset(dC, 0xFF, C.size()*4);
-    const size_t smem = (64 + N)*K*4 + FA_SMEM_SLACK;
+    const size_t smem = 2*(64 + N)*K*4 + FA_SMEM_SLACK;
     cudaFuncSetAttribute(probe_kernel<NS, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
     probe_kernel<NS, K><<<1, dim3(32, 4), smem>>>(dA, dB, dC);
     const cudaError_t err = cudaDeviceSynchronize();
@@ -52,14 +59,14 @@ static int probe() {
     }
     cudaMemcpy(C.data(), dC, C.size()*4, cudaMemcpyDeviceToHost);
     int bad = 0;
-    for (int r = 0; r < 64; ++r) for (int n = 0; n < N; ++n) {
+    for (int q = 0; q < 2; ++q) for (int r = 0; r < 64; ++r) for (int n = 0; n < N; ++n) {
         double ref = 0;
-        for (int k = 0; k < K; ++k) ref += (double) A[r*K + k]*B[n*K + k];
-        if (C[r*N + n] != (float) ref) {
-            if (bad++ < 6) printf("  C[%d][%d] = %g, expected %g\n", r, n, C[r*N + n], ref);
+        for (int k = 0; k < K; ++k) ref += (double) A[(q*64 + r)*K + k]*B[(q*N + n)*K + k];
+        if (C[(q*64 + r)*N + n] != (float) ref) {
+            if (bad++ < 6) printf("  %s[%d][%d] = %g, expected %g\n", q ? "E" : "C", r, n, C[(q*64 + r)*N + n], ref);
         }
     }
-    printf("wgmma probe m64n%dk8 x %d: %s (%d of %d wrong)\n", N, K/8, bad ? "FAIL" : "ok", bad, 64*N);
+    printf("wgmma probe 2 x m64n%dk8 x %d: %s (%d of %d wrong)\n", N, K/8, bad ? "FAIL" : "ok", bad, 2*64*N);
     cudaFree(dA); cudaFree(dB); cudaFree(dC);
     return bad != 0;
 }
