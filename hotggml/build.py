@@ -45,14 +45,35 @@ class BuildInfo:
     rebuilt: bool
 
 
+def gpu_compute_caps() -> list[str]:
+    """Compute capabilities of the visible NVIDIA GPUs as ``nvidia-smi`` prints them (``["9.0"]`` on an
+    H200); ``[]`` without nvidia-smi, when it fails, or when it lists none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def default_cuda_arch() -> str:
+    """CMAKE_CUDA_ARCHITECTURES when the caller names none: ``90a`` when every visible GPU is compute
+    capability 9.0 (Hopper: the TF32 flash-attention training kernels use wgmma there, an sm_90a feature
+    that CMake's ``native`` (plain 90) leaves out; a 90a binary runs on those GPUs only, as a native one
+    does), else ``native``."""
+    caps = gpu_compute_caps()
+    return "90a" if caps and all(cap == "9.0" for cap in caps) else "native"
+
+
 def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """CMake -D options for a backend (``cpu`` or ``cuda``); raises BuildError for another name."""
+    """CMake -D options for a backend (``cpu`` or ``cuda``; ``cuda_arch`` None: default_cuda_arch());
+    raises BuildError for another backend name."""
     if backend not in BACKENDS:
         raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     defines = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON"}
     defines.update(_BACKEND_DEFINES[backend])
     if backend == "cuda":
-        defines["CMAKE_CUDA_ARCHITECTURES"] = cuda_arch or "native"
+        defines["CMAKE_CUDA_ARCHITECTURES"] = cuda_arch or default_cuda_arch()
     defines.update(extra or {})
     return defines
 

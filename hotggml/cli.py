@@ -260,7 +260,8 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("build", help="CMake build of the patched tree, keyed by pin + series")
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
-    parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 on an H200)")
+    parser.add_argument("--cuda-arch", default=None,
+                        help="CMAKE_CUDA_ARCHITECTURES (default: 90a where every GPU is compute capability 9.0, else native)")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
                         help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key; such builds "
                              "are checked to build, the tools keep loading the plain build)")

@@ -62,7 +62,8 @@ def test_build_dir_for():
     assert build.build_dir_for("cpu", PIN, "b" * 64, d) != bdir
 
 
-def test_cmake_defines():
+def test_cmake_defines(monkeypatch):
+    monkeypatch.setattr(build, "gpu_compute_caps", lambda: [])  # no GPU visible: CMake's own detection
     cpu = build.cmake_defines("cpu")
     assert cpu["CMAKE_BUILD_TYPE"] == "Release"
     assert "GGML_CUDA" not in cpu
@@ -137,3 +138,22 @@ def test_installed_package_keeps_out_of_site_packages(tmp_path, monkeypatch, cap
         err = capsys.readouterr().err
         assert f"`hotggml {command[0]}` works on a hotggml checkout" in err and "Traceback" not in err
     assert list(site.iterdir()) == []
+
+
+@pytest.mark.parametrize("caps, arch", [
+    ([], "native"),                    # no nvidia-smi, or no GPU
+    (["9.0"], "90a"),                  # an H100 / H200: the wgmma kernels need sm_90a
+    (["9.0", "9.0"], "90a"),
+    (["8.0"], "native"),               # an A100: CMake's detection (80) is all it needs
+    (["9.0", "8.6"], "native"),        # mixed: a 90a binary would not run on the 8.6 card
+])
+def test_default_cuda_arch(monkeypatch, caps, arch):
+    monkeypatch.setattr(build, "gpu_compute_caps", lambda: caps)
+    assert build.default_cuda_arch() == arch
+    assert build.cmake_defines("cuda")["CMAKE_CUDA_ARCHITECTURES"] == arch
+    assert build.cmake_defines("cuda", cuda_arch="80")["CMAKE_CUDA_ARCHITECTURES"] == "80"  # a named one wins
+
+
+def test_gpu_compute_caps_without_nvidia_smi(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert build.gpu_compute_caps() == []
