@@ -4,7 +4,8 @@
 # materializes and patches the pin (as tools/gpu-run.sh), compiles tools/fa_train_harness.cu against the
 # patched fattn-train.cu, and runs it once per shape argument. Output to OUTDIR/harness.log and stdout.
 # NCU='regex ...': instead of timing, profile the first launch of each kernel matching a regex with Nsight
-# Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks).
+# Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks);
+# NCU_COUNT=N: the first N launches of each (the backward kernel's first two are dQ alone, then dK/dV alone).
 set -uo pipefail
 out=${1:?usage: bash tools/fa-harness.sh OUTDIR SHAPE...}; shift
 mkdir -p "$out"
@@ -40,7 +41,7 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
         fi
         for k in $NCU; do
             echo "=== ncu $k at $shape"
-            ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
+            ncu --clock-control none -k "regex:$k" -c "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy \
                 --section WarpStateStats --section SchedulerStats --section LaunchStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" /tmp/fa_harness0 $shape \

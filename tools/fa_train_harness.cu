@@ -178,9 +178,11 @@ int main(int argc, char ** argv) {
     uint8_t * cells = nullptr;
     if (p.mask) CK(cudaMalloc(&cells, fa_train_cells_bytes(p)));
     auto with_cells = [&]() { fa_train_params pc = p; fa_train_cells_fill(pc, cells, 0); return pc; };
-    auto v2 = [&]() { fa_train_reg_launch(Dreg, false, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
+    // the TF32 copies of the streamed operands (fa_train_round_operands), made in each timed launch as the backend does
+    float * operands; CK(cudaMalloc(&operands, ((size_t) Nkv*Skv + (size_t) Nh*S)*2*D*sizeof(float)));
+    auto v2 = [&]() { fa_train_reg_launch(Dreg, false, false, with_cells(), nullptr, operands, 0); CK(cudaGetLastError()); };
     // the "x3" arm: the register kernels with the compensated product (the f32 precision on sm_80+)
-    auto va = [&]() { fa_train_reg_launch(Dreg, true, false, with_cells(), nullptr, 0); CK(cudaGetLastError()); };
+    auto va = [&]() { fa_train_reg_launch(Dreg, true, false, with_cells(), nullptr, nullptr, 0); CK(cudaGetLastError()); };
 
     std::vector<float> Or, Lr, O1, L1, O2, L2, Oa, La;
     run_read(f32, Or, Lr);
@@ -256,9 +258,9 @@ int main(int argc, char ** argv) {
         ps.kv_split = split;
         if (!(want & 1)) ps.dQ = nullptr;
         if (!(want & 2)) ps.dK = ps.dV = nullptr;
-        switch (Dreg) { case 64: x3 ? fa_train_bwd_tf32_reg_launch<64, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<64, false>(ps, scratch, 0); break;
-                        case 128: x3 ? fa_train_bwd_tf32_reg_launch<128, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<128, false>(ps, scratch, 0); break;
-                        default: x3 ? fa_train_bwd_tf32_reg_launch<256, true>(ps, scratch, 0) : fa_train_bwd_tf32_reg_launch<256, false>(ps, scratch, 0); }
+        switch (Dreg) { case 64: x3 ? fa_train_bwd_tf32_reg_launch<64, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<64, false>(ps, scratch, operands, 0); break;
+                        case 128: x3 ? fa_train_bwd_tf32_reg_launch<128, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<128, false>(ps, scratch, operands, 0); break;
+                        default: x3 ? fa_train_bwd_tf32_reg_launch<256, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<256, false>(ps, scratch, operands, 0); }
         CK(cudaGetLastError());
     };
     auto dq_reg  = [&]() { bwd_reg(false, 1); };
