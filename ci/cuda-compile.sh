@@ -38,7 +38,7 @@ out=$(mktemp -d)
 for arch in 80 90 90a; do
     for src in "${sources[@]}"; do
         echo "nvcc sm_$arch $src"
-        nvcc -c -std=c++17 -arch="sm_$arch" -DNDEBUG -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" \
+        nvcc -c -std=c++17 -arch="sm_$arch" -DNDEBUG -use_fast_math -extended-lambda -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" \
             -I"$inc" "$tree/$src" -o "$out/$(basename "$src" .cu)-sm_$arch.o" || exit 1
     done
 done

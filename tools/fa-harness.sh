@@ -18,13 +18,15 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
 {
     python3 -m hotggml fetch ${sdist:+--sdist "$sdist"} && python3 -m hotggml patches apply || exit 1
     w=.hotggml/work/ggml
+    # ggml's CUDA flags (src/ggml-cuda/CMakeLists.txt: -use_fast_math -extended-lambda), so that the kernels are
+    # the code the backend runs: without them expf is not ex2.approx, and harness times were off by that
     # VARIANTS='-DX=1;-DX=2': one harness per set of defines (compiled in parallel), each run on every shape,
     # the variants alternated twice (paired at equal shape, for defines the patched source reads)
     IFS=';' read -r -a variants <<< "${VARIANTS:-}"
     rm -f /tmp/fa_harness*
     [ ${#variants[@]} -gt 0 ] || variants=("")
     for i in "${!variants[@]}"; do
-        nvcc -std=c++17 -O3 -arch=sm_${CUDA_ARCH:-90a} ${variants[$i]} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
+        nvcc -std=c++17 -O3 -use_fast_math -extended-lambda -arch=sm_${CUDA_ARCH:-90a} ${variants[$i]} -I$w/include -I$w/src -I$w/src/ggml-cuda tools/fa_train_harness.cu \
             -Xlinker --unresolved-symbols=ignore-all -o /tmp/fa_harness$i &
     done
     wait
