@@ -103,6 +103,11 @@ static double worst_rel_d(const std::vector<float> & x, const std::vector<double
     return num/den;
 }
 
+// the same bits (NaN included, which == would call different)
+static bool same_bits(const std::vector<float> & a, const std::vector<float> & b) {
+    return a.size() == b.size() && memcmp(a.data(), b.data(), a.size()*sizeof(float)) == 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 6) { printf("usage: %s S Skv Nh Nkv D [causal]\n", argv[0]); return 2; }
     const int S = atoi(argv[1]), Skv = atoi(argv[2]), Nh = atoi(argv[3]), Nkv = atoi(argv[4]), D = atoi(argv[5]);
@@ -181,6 +186,8 @@ int main(int argc, char ** argv) {
     // the TF32 copies of the streamed operands (fa_train_round_operands), made in each timed launch as the backend does
     float * operands; CK(cudaMalloc(&operands, ((size_t) Nkv*Skv + (size_t) Nh*S)*2*D*sizeof(float)));
     auto v2 = [&]() { fa_train_reg_launch(Dreg, false, false, with_cells(), nullptr, operands, 0); CK(cudaGetLastError()); };
+    // without the copies: each streamed tile rounded where it lands (the same bits, checked below)
+    auto v2_tiles = [&]() { fa_train_reg_launch(Dreg, false, false, with_cells(), nullptr, nullptr, 0); CK(cudaGetLastError()); };
     // the "x3" arm: the register kernels with the compensated product (the f32 precision on sm_80+)
     auto va = [&]() { fa_train_reg_launch(Dreg, true, false, with_cells(), nullptr, nullptr, 0); CK(cudaGetLastError()); };
 
@@ -205,6 +212,11 @@ int main(int argc, char ** argv) {
     if (have_v2) {
         const float t2 = time_ms(v2);
         printf("  tf32 reg %8.3f ms  %6.1f TFLOP/s  err O %.2e LSE %.2e  (v1/reg %.2fx)\n", t2, flops/t2/1e9, worst_rel(O2, Or), worst_rel(L2, Lr), t1/t2);
+        std::vector<float> Ot, Lt;
+        run_read(v2_tiles, Ot, Lt);
+        const float tt = time_ms(v2_tiles);
+        printf("  tf32 reg without the operand copies %8.3f ms (copies/without %.3fx), %s\n", tt, t2/tt,
+               same_bits(Ot, O2) && same_bits(Lt, L2) ? "bitwise the same" : "DIFFERENT BITS");
     }
     if (have_alt) {
         const float ta = time_ms(va), t2 = time_ms(v2);
@@ -251,21 +263,22 @@ int main(int argc, char ** argv) {
     float * scratch; CK(cudaMalloc(&scratch, 2*(size_t) split*nK*sizeof(float)));
     // the register backward as the backend launches it (one grid, dK/dV split as the backend does it), or
     // one kind of its blocks alone: want 1 = dQ, 2 = dK/dV, 3 = both
-    auto bwd_reg = [&](bool x3, int want) {
+    auto bwd_reg = [&](bool x3, int want, bool copies = true) {
         fa_train_params ps = p; // the cells once per backward: with dQ (dK/dV alone reads those dQ's launch left)
         if (want & 1) ps = with_cells();
         else if (p.mask) { ps.cell_nx = (Skv + FA_CELL - 1)/FA_CELL; ps.cell_ny = (S + FA_CELL - 1)/FA_CELL; ps.cells = cells; }
         ps.kv_split = split;
         if (!(want & 1)) ps.dQ = nullptr;
         if (!(want & 2)) ps.dK = ps.dV = nullptr;
-        switch (Dreg) { case 64: x3 ? fa_train_bwd_tf32_reg_launch<64, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<64, false>(ps, scratch, operands, 0); break;
-                        case 128: x3 ? fa_train_bwd_tf32_reg_launch<128, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<128, false>(ps, scratch, operands, 0); break;
-                        default: x3 ? fa_train_bwd_tf32_reg_launch<256, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<256, false>(ps, scratch, operands, 0); }
+        switch (Dreg) { case 64: x3 ? fa_train_bwd_tf32_reg_launch<64, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<64, false>(ps, scratch, copies ? operands : nullptr, 0); break;
+                        case 128: x3 ? fa_train_bwd_tf32_reg_launch<128, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<128, false>(ps, scratch, copies ? operands : nullptr, 0); break;
+                        default: x3 ? fa_train_bwd_tf32_reg_launch<256, true>(ps, scratch, nullptr, 0) : fa_train_bwd_tf32_reg_launch<256, false>(ps, scratch, copies ? operands : nullptr, 0); }
         CK(cudaGetLastError());
     };
     auto dq_reg  = [&]() { bwd_reg(false, 1); };
     auto dkv_reg = [&]() { bwd_reg(false, 2); };
     auto bwd_one = [&]() { bwd_reg(false, 3); };
+    auto bwd_one_tiles = [&]() { bwd_reg(false, 3, false); }; // no operand copies
     auto nothing = [&]() {};
     auto dq_alt  = [&]() { bwd_reg(true, 1); };
     auto dkv_alt = [&]() { bwd_reg(true, 2); };
@@ -302,6 +315,11 @@ int main(int argc, char ** argv) {
         const float t1g = time_ms(bwd_one), tsep = time_ms(dq_reg) + time_ms(dkv_reg), t1g2 = time_ms(bwd_one);
         printf("  tf32 reg one grid %8.3f ms (again %.3f), dQ + dKV alone %.3f ms: one/alone %.3fx, %s\n",
                t1g, t1g2, tsep, std::min(t1g, t1g2)/tsep, same ? "bitwise the same" : "DIFFERENT BITS");
+        std::vector<float> g4[3];
+        grads(bwd_one_tiles, nothing, g4);
+        const float tt = time_ms(bwd_one_tiles);
+        printf("  tf32 reg one grid without the operand copies %8.3f ms (copies/without %.3fx), %s\n", tt, std::min(t1g, t1g2)/tt,
+               same_bits(g4[0], g3[0]) && same_bits(g4[1], g3[1]) && same_bits(g4[2], g3[2]) ? "bitwise the same" : "DIFFERENT BITS");
     }
     if (have_alt) {
         grads(dq_alt, dkv_alt, ga);
