@@ -8,9 +8,10 @@ These are claims for tools, never unit tests: the machines are noisy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from hotggml.cases import Case
 from hotggml.graph import Backend, Graph
 from hotggml.parity import build_chain, build_fused
 from hotggml.errors import InputError
+from hotggml.probe import probe
+
+SMEM_CAP_ENV = "GGML_CUDA_FA_TRAIN_SMEM_KB"  # read by the CUDA backend at every dispatch of the fused nodes
 
 DIT_FULL = Case("dit-self-full", Nh=16, Nkv=8, D=128, S=625, Skv=625)
 MEMORY_S = (625, 1250, 3000)
@@ -160,9 +164,29 @@ def tf32_ceiling(device: str, n: int = 8192, runs: int = 5) -> float:
     return 2 * n**3 / secs / 1e12
 
 
+@contextlib.contextmanager
+def cuda_smem_cap(kib: int | None):
+    """The CUDA backend's shared-memory budget per block capped at ``kib`` KiB for the block's duration
+    (None: uncapped): the fused nodes then run the configuration of that smaller class (its code path; the
+    timings are the H200's, not a smaller card's). The backend reads the variable at every dispatch."""
+    old = os.environ.get(SMEM_CAP_ENV)
+    if kib is None:
+        os.environ.pop(SMEM_CAP_ENV, None)
+    else:
+        os.environ[SMEM_CAP_ENV] = str(int(kib))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(SMEM_CAP_ENV, None)
+        else:
+            os.environ[SMEM_CAP_ENV] = old
+
+
 @dataclass
 class FieldRow:
-    """One geometry: medians (s) per arm, arena bytes per site, FLOPs of fwd+bwd."""
+    """One geometry: medians (s) per arm, arena bytes per site, FLOPs of fwd+bwd, the kernels that ran
+    (arm -> Backend.fa_train_kernel) and the TF32 arm's median under each shared-memory cap (KiB -> s)."""
 
     case: str
     shape: str
@@ -172,6 +196,8 @@ class FieldRow:
     fused_arena: int
     chain_arena: int | None
     flops: int
+    kernels: dict = field(default_factory=dict)
+    capped: dict = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
@@ -179,22 +205,29 @@ class FieldRow:
 
 
 def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, with_chain: bool = True,
-              warmup: int = 1) -> FieldRow:
-    """Time the fused fwd+bwd (TF32 path and f32 path) and the exact chain at ``case``, interleaved."""
+              warmup: int = 1, caps: tuple[int, ...] = ()) -> FieldRow:
+    """Time the fused fwd+bwd (TF32 path and f32 path), the exact chain and the TF32 path under each
+    shared-memory cap (KiB, CUDA only) at ``case``, interleaved (the order reversed every other round)."""
+    arms = [("fused_tf32", "default", None)] + ([("fused_f32", "f32", None)] if with_f32 else [])
+    arms += [("chain", None, None)] if with_chain else []
+    arms += [(f"tf32@{kib}", "default", kib) for kib in caps]
     with Backend(device) as be:
-        graphs = {}
+        graphs, kernels = {}, {}
         try:
-            for arm, prec in (("fused_tf32", "default"), ("fused_f32", "f32"), ("chain", None)):
-                if (arm == "fused_f32" and not with_f32) or (arm == "chain" and not with_chain):
-                    continue
+            for arm, prec, kib in arms:
                 g = graphs[arm] = Graph(be)
                 build_chain(g, case) if prec is None else build_fused(g, case, prec)
+                if prec is not None:
+                    with cuda_smem_cap(kib):
+                        kernels[arm] = probe(case, be, prec).kernel
             arenas = {arm: g.arena_bytes() for arm, g in graphs.items()}
             times = {arm: [] for arm in graphs}
+            caps_of = {arm: kib for arm, _, kib in arms}
             names = list(graphs)
             for r in range(warmup + runs):
                 for arm in (names if r % 2 == 0 else names[::-1]):
-                    secs = graphs[arm].compute()
+                    with cuda_smem_cap(caps_of[arm]):
+                        secs = graphs[arm].compute()
                     if r >= warmup:
                         times[arm].append(secs)
         finally:
@@ -203,23 +236,37 @@ def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, wit
     med = {arm: statistics.median(t) for arm, t in times.items()}
     fwd, bwd = attention_flops(case)
     return FieldRow(case.id, case.shape, med["fused_tf32"], med.get("fused_f32"), med.get("chain"),
-                    arenas["fused_tf32"], arenas.get("chain"), fwd + bwd)
+                    arenas["fused_tf32"], arenas.get("chain"), fwd + bwd, kernels,
+                    {kib: med[f"tf32@{kib}"] for kib in caps})
 
 
 def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
-    head = (f"{'case':<24} {'tf32 ms':>9} {'f32 ms':>9} {'chain ms':>9} {'tf32/chain':>10} {'TFLOP/s':>8} "
-            f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}")
+    caps = sorted({kib for r in rows for kib in r.capped})
+    head = (f"{'case':<26} {'tf32 ms':>9} {'f32 ms':>9} {'chain ms':>9} {'tf32/chain':>10} {'TFLOP/s':>8} "
+            f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}  {'tf32 kernel':<22}"
+            + "".join(f" {f'@{kib} ms':>9} {'x':>5}" for kib in caps))
     lines = [f"fwd+bwd per attention site on {device}; TF32 ceiling (ggml mul_mat 8192^3) {ceiling:.1f} TFLOP/s",
              head, "-" * len(head)]
     for r in rows:
         tflops = r.flops / r.fused_tf32 / 1e12
         def ms(x):
             return f"{x * 1e3:9.2f}" if x is not None else f"{'-':>9}"
-        lines.append(f"{r.case:<24} {ms(r.fused_tf32)} {ms(r.fused_f32)} {ms(r.chain)} "
+        lines.append(f"{r.case:<26} {ms(r.fused_tf32)} {ms(r.fused_f32)} {ms(r.chain)} "
                      + (f"{r.ratio:10.3f}" if r.ratio is not None else f"{'-':>10}")
                      + f" {tflops:8.1f} {100 * tflops / ceiling:6.1f} {r.fused_arena / 2**20:9.1f} "
                      + (f"{r.chain_arena / 2**20:9.1f} {100 * r.fused_arena / r.chain_arena:7.1f}"
-                        if r.chain_arena else f"{'-':>9} {'-':>7}"))
+                        if r.chain_arena else f"{'-':>9} {'-':>7}")
+                     + f"  {r.kernels.get('fused_tf32', '-'):<22}"
+                     + "".join(f" {ms(r.capped[kib])} {r.capped[kib] / r.fused_tf32:5.2f}" if kib in r.capped
+                               else f" {'-':>9} {'-':>5}" for kib in caps))
+    lines += ["",
+              "tf32/chain: the fused TF32 arm's median over the exact chain's (paired, interleaved); TFLOP/s: of the",
+              "  fused TF32 arm at FlashAttention-2's count; tf32 kernel: what it ran (family-instance-shared-memory class)."]
+    if caps:
+        lines += [f"@N ms: the TF32 arm with the CUDA shared-memory budget capped at N KiB ({SMEM_CAP_ENV}), its kernels",
+                  "  those of that class's cards; x: its time over the uncapped arm's. The code path, not those cards' speed:",
+                  "  the timings are this device's. Kernels under the caps: "
+                  + "; ".join(f"{r.case} " + ", ".join(r.kernels.get(f"tf32@{kib}", "-") for kib in caps) for r in rows)]
     return "\n".join(lines)
 
 

@@ -201,9 +201,11 @@ SMOKE = [
     Case("nan-padding-keys", B=2, Nh=4, Nkv=2, D=16, S=24, Skv=40, mask="padding", pad_keys=3, garbage=True),
     Case("one-hot-rows", Nh=2, Nkv=1, D=16, S=17, Skv=17, qk_gain=100.0, seed=1, tags=("cancel", "one-hot")),
     Case("near-constant-v", Nh=2, Nkv=1, D=16, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, tags=("cancel",)),
-    # the same at a head size of the CUDA register kernels, whose f32 mode is the compensated (3xTF32) product:
-    # there dS cancels to the f32 bar against the natural magnitude, not exactly (no 'one-hot' tag)
-    Case("one-hot-rows-d64", Nh=2, Nkv=1, D=64, S=17, Skv=40, qk_gain=100.0, seed=1, tags=("cancel",)),
+    # the same at a larger head size, and rows that see one key by a window of 0 (no saturation needed): on the
+    # CUDA register kernels (TF32, and the compensated 3xTF32 product of the f32 mode) dS cancels to f32 rounding
+    # of the natural magnitude there, as the exact chain does (parity's one_key_dQ_dK_cancel)
+    Case("one-hot-rows-d64", Nh=2, Nkv=1, D=64, S=17, Skv=40, qk_gain=100.0, seed=1, tags=("cancel", "one-hot")),
+    Case("one-key-window0-d64", Nh=4, Nkv=2, D=64, S=40, Skv=40, window=0, tags=("cancel", "one-hot")),
     Case("near-constant-v-d64", Nh=2, Nkv=1, D=64, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, tags=("cancel",)),
     # head sizes with register kernels on CUDA (D = Dv in {64, 128}): partial tiles, q as a view (no float4
     # rows), padding keys holding NaN, and a causal tail with S != Skv under GQA 4
@@ -241,6 +243,15 @@ FIELD = [
     *(Case(f"lm-causal-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
     *(Case(f"lm4b-causal-{s}", Nh=32, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
     Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True),
+    # head sizes other than 64 / 128 / 256 (SPEC §7): DiT-XL, UNet blocks, Phi-class LMs, 112 / 160, MLA-style
+    # 192 / 128, and DiT self-attention in batches of 4 with key padding
+    Case("dit-d72-full-4096", Nh=16, Nkv=16, D=72, S=4096, Skv=4096),
+    Case("unet-d80-full-2048", Nh=20, Nkv=20, D=80, S=2048, Skv=2048),
+    Case("lm-d96-causal-4096", Nh=32, Nkv=8, D=96, S=4096, Skv=4096, causal=True),
+    Case("d112-full-2048", Nh=16, Nkv=16, D=112, S=2048, Skv=2048),
+    Case("d160-full-2048", Nh=8, Nkv=8, D=160, S=2048, Skv=2048),
+    Case("mla-d192v128-causal-4096", Nh=16, Nkv=16, D=192, Dv=128, S=4096, Skv=4096, causal=True),
+    Case("dit-b4-padding-1250", B=4, Nh=16, Nkv=8, D=128, S=1250, Skv=1250, mask="padding", pad_keys=100),
 ]
 
 # shapes a device may refuse by name (CUDA takes D, Dv <= 256): parity and probe must fail naming the op,

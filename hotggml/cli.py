@@ -383,6 +383,16 @@ def _runs(text: str) -> int:
     return value
 
 
+def _smem_caps(text: str) -> tuple[int, ...]:
+    try:
+        caps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KiB values separated by commas (e.g. 99,163), got {text!r}")
+    if not caps or any(kib <= 0 for kib in caps):
+        raise argparse.ArgumentTypeError(f"shared-memory caps must be positive KiB values, got {text!r}")
+    return caps
+
+
 def resolve_device(backend: str) -> str:
     """cpu -> CPU, cuda -> CUDA0, vulkan -> Vulkan0; a registry device name passes through."""
     return {"cpu": "CPU", "cuda": "CUDA0", "vulkan": "Vulkan0"}.get(backend.lower(), backend)
@@ -455,6 +465,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-l", "--list", action="store_true", help="list the selected cases (with --set) and exit")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: ggml's own choice)")
     parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
+    parser.add_argument("--smem-caps", type=_smem_caps, default=(), metavar="KIB[,KIB]",
+                        help="with --set on CUDA: also time the TF32 path with the shared-memory budget per block "
+                             "capped at each (e.g. 99,163: the kernels of those cards' classes)")
     parser.set_defaults(func=_run_bench)
 
 
@@ -486,10 +499,15 @@ def _run_bench_table(args: argparse.Namespace) -> int:
     if args.list:
         return _print_cases(selected)
     device = resolve_device(args.backend)
+    if args.smem_caps and not device.startswith("CUDA"):
+        print(f"hotggml: error: --smem-caps caps the CUDA backend's shared memory; {device} has no such budget",
+              file=sys.stderr)
+        return 2
     ceiling = bench.tf32_ceiling(device)
     rows = []
     for i, case in enumerate(selected, start=1):
-        rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain))
+        rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain,
+                                    caps=args.smem_caps))
         _progress(i, len(selected), f"timed {case.id}")
         if args.profile:
             for arm, prec in (("fused tf32", "default"), ("chain", None)):
@@ -530,8 +548,8 @@ def _run_probe(args: argparse.Namespace) -> int:
     with Backend(resolve_device(args.backend)) as be:
         for case in selected:
             try:
-                probe(case, be, args.prec)
-                print(f"supported   {case.id:<24} {case.shape}")
+                path = probe(case, be, args.prec)
+                print(f"supported   {case.id:<26} {path.kernel:<24} {case.shape}")
             except UnsupportedOpError as exc:
                 refused += 1
                 print(f"REFUSED     {case.id:<24} {exc}")

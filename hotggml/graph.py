@@ -79,24 +79,37 @@ class Backend:
         """The device's own answer for this node at its real shapes and types."""
         return bool(load().ggml_backend_dev_supports_op(self._dev, tensor.ptr))
 
-    def fa_train_path(self, tensor: "Tensor") -> str:
-        """The kernel path a FLASH_ATTN_TRAIN(_BACK) node runs here: 'tf32', 'f32' or 'none' (refused).
+    def fa_train_kernel(self, tensor: "Tensor") -> str:
+        """The kernel a FLASH_ATTN_TRAIN(_BACK) node runs here, as the library names it: on CUDA
+        ``<precision>-<family>-d<D>[v<Dv>]-smem<KiB>`` for the register family ('tf32-reg-d96-smem227',
+        'f32-x3-d192v128-smem99': its instance and shared-memory class), 'f32-scalar', or 'none' (refused);
+        'f32-cpu' on the CPU, which has one path.
 
         Asked of the library, never inferred from the request: CUDA answers through the proc address
-        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses); the CPU has one
-        f32 path. Raises BackendError for a backend that cannot say.
+        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses). Raises BackendError
+        for a backend that cannot say.
         """
         lib = load()
         if not self.supports_op(tensor):
             return "none"
         if self.device_name == "CPU":
-            return "f32"
+            return "f32-cpu"
         reg = lib.ggml_backend_dev_backend_reg(self._dev)
         fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_cuda_flash_attn_train_path")
         if fn == ffi.NULL or not self.device_name.startswith("CUDA"):
             raise BackendError(f"{self.device_name} does not report which flash_attn_train path it runs")
         path = ffi.cast("ggml_backend_cuda_fa_train_path_t", fn)
         return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
+
+    def fa_train_path(self, tensor: "Tensor") -> str:
+        """The precision a FLASH_ATTN_TRAIN(_BACK) node runs at here: 'tf32', 'f32' or 'none' (refused),
+        read off fa_train_kernel (the first word of its name). Raises BackendError for a name that
+        says neither (a library this binding does not know)."""
+        kernel = self.fa_train_kernel(tensor)
+        precision = kernel.split("-")[0]
+        if precision not in ("tf32", "f32", "none"):
+            raise BackendError(f"{self.device_name} reports an unknown flash_attn_train kernel {kernel!r}")
+        return precision
 
     def close(self) -> None:
         """Free the backend (once; a Graph still holding it keeps it until that Graph is freed)."""

@@ -9,6 +9,8 @@ on any machine), ask the device, and let ggml's scheduler over [device, CPU] pla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from hotggml import ops
@@ -17,9 +19,21 @@ from hotggml.errors import UnsupportedOpError
 from hotggml.graph import Backend, Graph
 
 
-def probe(case: Case, backend: Backend, prec: str = "default") -> str:
+@dataclass(frozen=True)
+class KernelPath:
+    """What the fused nodes of a case run on a device, as the library reports it: the resolved precision
+    ('tf32' or 'f32') and the kernel's name (Backend.fa_train_kernel: family, instance, shared-memory class)."""
+
+    precision: str
+    kernel: str
+
+    def __str__(self) -> str:
+        return self.kernel
+
+
+def probe(case: Case, backend: Backend, prec: str = "default") -> KernelPath:
     """Raise UnsupportedOpError unless ``backend`` supports the fwd and bwd nodes of ``case``;
-    return the kernel path they run there ('tf32' or 'f32', as the library reports it).
+    return the precision and kernel they run there (KernelPath, as the library reports them).
 
     Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B],
     mask [Skv, S, 1, 1 or B] f16 when the case has one; d is the packed gradient of the forward.
@@ -47,8 +61,8 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> str:
             if placed.get(node.ptr) != backend.device_name:
                 raise UnsupportedOpError(f"ggml's scheduler placed {node.op_name} of {case.id} on "
                                          f"{placed.get(node.ptr)}, not {backend.device_name}")
-        paths = {backend.fa_train_path(node) for node in (fwd, back)}
-        if len(paths) != 1:
+        kernels = {backend.fa_train_kernel(node) for node in (fwd, back)}
+        if len(kernels) != 1:
             raise UnsupportedOpError(f"{backend.device_name}: forward and backward of {case.id} run different "
-                                     f"paths {sorted(paths)}")
-        return paths.pop()
+                                     f"kernels {sorted(kernels)}")
+        return KernelPath(backend.fa_train_path(fwd), kernels.pop())

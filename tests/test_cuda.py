@@ -47,6 +47,7 @@ def test_absent_cuda_fails_loudly(lib):
 def test_cuda_parity(cuda_device, case, prec, path):
     result = parity.run_case(case, cuda_device, prec=prec)
     assert result.precision == path  # what the library reports it ran (an sm_90 card: TF32 for 'default')
+    assert result.kernel.startswith("tf32-reg-" if prec == "default" else "f32-x3-")  # every D: the register family
     assert result.passed, f"{case.id} {prec}: " + "; ".join(result.failures)
     assert result.checks["bitwise_across_runs"] is True
 
@@ -86,33 +87,52 @@ def test_split_backward_on_cpu(cuda_device, case_id, prec):
 
 MATRIX = [Case(f"matrix-d{D}-gqa{G}-{mask}", Nh=4, Nkv=4 // G, D=D, S=37, Skv=53,
                mask="bias" if mask == "2d" else "none", causal=mask == "causal")
-          for D in (16, 64, 80, 128, 256) for G in (1, 4) for mask in ("none", "2d", "causal")]
+          for D in (16, 64, 80, 96, 128, 192, 256) for G in (1, 4) for mask in ("none", "2d", "causal")]
+
+KERNEL_NAME = r"^(tf32-reg|f32-x3)-d(\d+)(v(\d+))?-smem(99|163|227)$"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("prec,path", [("default", "tf32"), ("f32", "f32")])
 @pytest.mark.parametrize("case", MATRIX, ids=lambda c: c.id)
 def test_supports_op_matrix(cuda_device, cpu_fused_cache, case, prec, path):
-    """Every shape CUDA claims runs there, passes parity against float64 and matches the CPU's fused op
-    at its precision's bar (f32 at D = 64/128/256: the compensated TF32 register kernels); a shape it
-    declines is refused by name (never run on the CPU in its place)."""
-    from hotggml.errors import UnsupportedOpError
+    """Every shape of the field's matrix runs on CUDA (sm_80+: the register family at both precisions, the
+    instance covering its D and Dv), passes parity against float64 and matches the CPU's fused op at its
+    precision's bar; nothing is refused, nothing runs on the CPU in its place."""
+    import re
+
     from hotggml.probe import probe
 
     with Backend(cuda_device) as be:
-        try:
-            ran = probe(case, be, prec=prec)
-        except UnsupportedOpError as exc:
-            assert f"FLASH_ATTN_TRAIN at {case.id}" in str(exc) or f"FLASH_ATTN_TRAIN_BACK at {case.id}" in str(exc)
-            return
+        ran = probe(case, be, prec=prec)
         fused = parity.run_fused(case, be, prec)
-    assert ran == path
+    assert ran.precision == path
+    name = re.match(KERNEL_NAME, ran.kernel)
+    assert name and name.group(1) == ("tf32-reg" if prec == "default" else "f32-x3"), ran.kernel
+    assert int(name.group(2)) >= case.D and int(name.group(4) or name.group(2)) >= case.dv, ran.kernel
     result = parity.run_case(case, cuda_device, prec=prec, with_chain=False)
     assert result.passed, "; ".join(result.failures)
+    assert result.kernel == ran.kernel
     cpu = cpu_fused_cache(case)
     live = ~parity.oracle.masked_rows(case.mask_array(), case.B, case.S)
     errs = parity._compare(fused, cpu, live)
     assert max(errs.values()) <= parity.BARS[path], errs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kib,cls", [(99, 99), (120, 99), (163, 163), (200, 163), (100000, 227)])
+@pytest.mark.parametrize("dims", [(32, 32), (72, 72), (128, 128), (160, 160), (192, 128), (256, 256)])
+def test_smem_cap_selects_class(cuda_device, kib, cls, dims):
+    """GGML_CUDA_FA_TRAIN_SMEM_KB caps the budget at dispatch: the kernel reported (and run: parity under
+    the caps in tools/gpu-run.sh) is the register family's configuration of the largest class within the
+    cap, at every head size; above the device's own limit the cap changes nothing (an H200: 227)."""
+    from hotggml.bench import cuda_smem_cap
+    from hotggml.probe import probe
+
+    case = Case(f"cap-d{dims[0]}v{dims[1]}", Nh=4, Nkv=2, D=dims[0], Dv=dims[1], S=70, Skv=90, causal=True)
+    with Backend(cuda_device) as be, cuda_smem_cap(kib):
+        for prec in ("default", "f32"):
+            assert probe(case, be, prec).kernel.endswith(f"-smem{cls}")
 
 
 @pytest.fixture(scope="module")

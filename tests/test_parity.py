@@ -24,7 +24,7 @@ def test_smoke_case(lib, case):
     for name in (("dV",) if "cancel" in case.tags else ("dQ", "dK", "dV")):
         assert result.checks[f"{name}_ref_nonzero"] is True
     if "one-hot" in case.tags:
-        assert result.checks["one_hot_dQ_dK_exactly_zero"] is True
+        assert result.checks["one_key_dQ_dK_cancel"] is True
     if case.garbage:
         assert result.checks["garbage_keys_dK_dV_zero"] is True
 

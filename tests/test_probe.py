@@ -20,7 +20,8 @@ from hotggml.graph import Backend
 from hotggml.probe import probe
 which = cases.FIELD if sys.argv[1] == "all" else cases.FIELD[:1]
 with Backend("CPU") as be:
-    assert all(probe(c, be, prec) == "f32" for c in which for prec in ("default", "f32"))
+    assert all(probe(c, be, prec).precision == "f32" and probe(c, be, prec).kernel == "f32-cpu"
+               for c in which for prec in ("default", "f32"))
 print(re.search(r"VmPeak:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 """
 
@@ -30,7 +31,7 @@ def test_field_shapes_probe_without_allocating(lib):
     """Every field shape, the 27B chunk included (q, k, v alone are ~670 MB there), probes without
     allocating: the peak virtual size of a process that probes them all stays within 64 MiB of one that
     probes the smallest (untouched allocations count there, unlike in the RSS). The CPU's path is
-    reported as 'f32' at every shape and precision."""
+    reported as 'f32' (kernel 'f32-cpu') at every shape and precision."""
     def peak_kib(which: str) -> int:
         run = subprocess.run([sys.executable, "-c", _PEAK_VM, which], capture_output=True, text=True, check=True)
         return int(run.stdout.split()[-1])

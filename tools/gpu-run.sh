@@ -6,9 +6,10 @@
 # probe, the wgmma operand-layout probe (sm_XXa), parity smoke + real on CUDA0 at both precisions, test-backend-ops for both ops on CUDA0 (test and
 # grad modes), the long-context chunk on TF32 and f32 against the per-head float64 oracle, the CUDA tests (with
 # the split graph: forward on CUDA0, backward pinned to the CPU), the field table (TF32 and f32 fused vs
-# the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, a per-node
-# profile), probe at every field geometry, and the
-# named refusal of D = 512. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
+# the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, the TF32 path
+# under the 99 and 163 KiB shared-memory caps, a per-node profile), probe at every field geometry, the
+# named refusal of D = 512, parity under both caps, and a build for 80-virtual (PTX) with parity under the
+# 99 KiB cap: the consumer card's code path. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
 # last. Exit status: 0 when every step gave what it must. ONLY='build|chunk-tf32' (a regex on step names)
 # runs a subset: a second call on a machine still warm reuses the build (a call runs 10 minutes at most).
@@ -63,11 +64,26 @@ step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec de
 step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
 step nan-inputs pass python3 -m pytest tests/test_nan_inputs.py -v -m cuda -rs -p no:cacheprovider
-step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --profile --json "$out/bench-field.json"
+step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --smem-caps 99,163 --profile --json "$out/bench-field.json"
 step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --json "$out/bench-chunk.json"
 step probe-field pass hg probe --backend cuda --set field
+# the smaller shared-memory classes' configurations on this card (GGML_CUDA_FA_TRAIN_SMEM_KB caps the budget per
+# block; parity prints the kernel, e.g. tf32-reg-d128-smem99): the code paths of A100-class and consumer cards
+for kib in 99 163; do
+    for prec in f32 default; do
+        step parity-$prec-smem$kib pass env GGML_CUDA_FA_TRAIN_SMEM_KB=$kib python3 -m hotggml parity --backend cuda \
+            --set smoke --set real --prec $prec --json "$out/parity-$prec-smem$kib.json"
+    done
+done
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
+# a consumer card's code path: PTX for 80-virtual (JIT-compiled here; mma.sync, since wgmma is chosen at compile
+# time) under the 99 KB cap. Last: the newest CUDA build is the one the steps after it load
+step build-80v pass hg build --backend cuda --cuda-arch 80-virtual --jobs "$(nproc)"
+for prec in f32 default; do
+    step parity-$prec-80v-smem99 pass env GGML_CUDA_FA_TRAIN_SMEM_KB=99 python3 -m hotggml parity --backend cuda \
+        --set smoke --set real --prec $prec --json "$out/parity-$prec-80v-smem99.json"
+done
 rm -f "$out/step.log"
 
 printf '%s\n' "" "step                         verdict                rc   time" "${summary[@]}" | tee -a "$log"
