@@ -1,11 +1,12 @@
 // The wgmma operand layout of the flash-attention training kernels, checked on the device (sm_90a):
 //   nvcc -std=c++17 -arch=sm_90a -I<ggml>/include -I<ggml>/src -I<ggml>/src/ggml-cuda tools/wgmma_probe.cu \
 //        -Xlinker --unresolved-symbols=ignore-all -o /tmp/wgmma_probe && /tmp/wgmma_probe
-// Stages A, A2 (64 x K) and B, B2 (N x K) with fa_stage_async in the wgmma's swizzled layout, runs fa_abt with
+// Stages A, A2 (64 x K) and B, B2 (N x K) with fa_stage_async in the wgmma's swizzled layout (rows of K floats in
+// tiles of LD = K rounded up to 32, zeros past K: a head size padded to its instance), runs fa_abt with
 // two products (one warpgroup: C = A B^T and E = A2 B2^T, k steps alternating in one commit group) and compares
 // each warp's accumulator tiles with the products computed on the host in double. Values are small integers
 // (exact in TF32 and f32), so any layout error shows as a mismatch, not as rounding.
-#include "ggml-cuda/fattn-train.cu"
+#include "ggml-cuda/fattn-train-mma.cuh"
 
 #include <cstdio>
 #include <vector>
@@ -13,22 +14,22 @@
 template <int NS, int K>
 static __global__ void probe_kernel(const float * A, const float * B, float * C) {
     extern __shared__ float raw[];
-    float * sm = fa_smem_aligned(raw);
-    constexpr int N = 8*NS;
-    float * As = sm, * Bs = sm + 64*K, * A2s = Bs + N*K, * B2s = A2s + 64*K;
-    fa_stage_async<K, 64, 1, true>(As, A, K, 64, true);
-    fa_stage_async<K, N, 1, true>(Bs, B, K, N, true);
-    fa_stage_async<K, 64, 1, true>(A2s, A + 64*K, K, 64, true);
-    fa_stage_async<K, N, 1, true>(B2s, B + N*K, K, N, true);
+    float * sm = fa_smem_aligned<true>(raw);
+    constexpr int N = 8*NS, LD = (K + 31)/32*32, NT = 128;
+    float * As = sm, * Bs = sm + 64*LD, * A2s = Bs + N*LD, * B2s = A2s + 64*LD;
+    fa_stage_async<LD, 64, NT, true>(As, A, K, 64, K, K % 4 == 0);
+    fa_stage_async<LD, N, NT, true>(Bs, B, K, N, K, K % 4 == 0);
+    fa_stage_async<LD, 64, NT, true>(A2s, A + 64*K, K, 64, K, K % 4 == 0);
+    fa_stage_async<LD, N, NT, true>(B2s, B + N*K, K, N, K, K % 4 == 0);
     fa_async_commit();
     cp_async_wait_all();
-    fa_finish_tile<K, 64, 1, false>(As, nullptr);
-    fa_finish_tile<K, N, 1, false>(Bs, nullptr);
-    fa_finish_tile<K, 64, 1, false>(A2s, nullptr);
-    fa_finish_tile<K, N, 1, false>(B2s, nullptr);
+    fa_finish_tile<LD, 64, NT, false, true>(As, nullptr);
+    fa_finish_tile<LD, N, NT, false, true>(Bs, nullptr);
+    fa_finish_tile<LD, 64, NT, false, true>(A2s, nullptr);
+    fa_finish_tile<LD, N, NT, false, true>(B2s, nullptr);
     __syncthreads();
     tile<16, 8, float> S[NS], E[NS];
-    fa_abt<NS, K, K, 64, N, false, true>(S, As, 0, Bs, E, A2s, B2s);
+    fa_abt<NS, K, LD, K, LD, 64, N, false, true, true>(S, As, 0, Bs, E, A2s, B2s);
     const int g = threadIdx.x / 4, t = threadIdx.x % 4, r0 = threadIdx.y*16;
     for (int n = 0; n < NS; ++n) {
         for (int e = 0; e < 4; ++e) {
@@ -49,7 +50,7 @@ static int probe() {
     cudaMemcpy(dA, A.data(), A.size()*4, cudaMemcpyHostToDevice);
     cudaMemcpy(dB, B.data(), B.size()*4, cudaMemcpyHostToDevice);
     cudaMemset(dC, 0xFF, C.size()*4);
-    const size_t smem = 2*(64 + N)*K*4 + FA_SMEM_SLACK;
+    const size_t smem = 2*(64 + N)*((K + 31)/32*32)*4 + 1024;
     cudaFuncSetAttribute(probe_kernel<NS, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
     probe_kernel<NS, K><<<1, dim3(32, 4), smem>>>(dA, dB, dC);
     const cudaError_t err = cudaDeviceSynchronize();
@@ -73,7 +74,9 @@ static int probe() {
 
 int main() {
     int fails = 0;
+    fails += probe<1, 64>();
     fails += probe<2, 128>();
+    fails += probe<2, 80>();
     fails += probe<4, 64>();
     fails += probe<8, 64>();
     fails += probe<2, 256>();
