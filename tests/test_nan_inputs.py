@@ -27,10 +27,12 @@ def _on_cuda(prec: str, d: int):
 
 @pytest.fixture(params=[pytest.param(("CPU", "f32", 16), id="CPU-f32-D16"), _on_cuda("default", 16),
                         _on_cuda("f32", 16), _on_cuda("default", 64), _on_cuda("default", 128),
-                        _on_cuda("f32", 128), _on_cuda("default", 256)])
+                        _on_cuda("f32", 128), _on_cuda("default", 256),
+                        # head sizes padded up to an instance (72 in 80, 160 in 192): zeros past D in the staged rows
+                        _on_cuda("default", 72), _on_cuda("f32", 160)])
 def where(request, lib):
-    """(backend, prec, D): the CPU; CUDA0's TF32 and scalar f32 kernels (D = 16) and register kernels at TF32
-    and f32 (3xTF32)."""
+    """(backend, prec, D): the CPU; CUDA0's register kernels at TF32 and f32 (3xTF32), at instances' head sizes
+    and at sizes padded up to one."""
     name, prec, d = request.param
     if name != "CPU" and name not in [n for n, _ in devices()]:
         pytest.skip(f"no {name} in the loaded build (a CPU build, or no GPU here): runs through tools/gpu-run.sh")
