@@ -3,9 +3,9 @@ run, and an attention op that turns it into finite values hides the divergence. 
 meets are checked: NumPy's quiet NaN (0x7FC00000) and the one CUDA arithmetic produces (0x7FFFFFFF), whose
 mantissa a rounding by integer carry would push into the sign bit (-0.0).
 
-On the CPU this holds today. On CUDA it does not yet (found 2026-11-30, notes/kernels.md "NaN inputs"): the
-TF32 staging rounds 0x7FFFFFFF to -0.0, and a query row whose scores are all NaN is taken for a fully masked
-row (O = 0, LSE = 0). The CUDA parameters run through tools/gpu-run.sh and fail until the kernels are fixed.
+The CUDA parameters (run through tools/gpu-run.sh) guard what a review found there once (notes/kernels.md
+"NaN inputs"): a TF32 staging that rounded 0x7FFFFFFF to -0.0, and a query row whose scores are all NaN taken for
+a fully masked row (O = 0, LSE = 0).
 """
 
 from __future__ import annotations
