@@ -35,13 +35,14 @@ fi
 mapfile -t sources < <(sed -n 's|^diff --git a/\(src/ggml-cuda/[^ ]*\.cu\) .*|\1|p' $(sed 's|^|patches/|' patches/series) | sort -u)
 [ ${#sources[@]} -gt 0 ] || { echo "cuda-compile: no CUDA source in the series"; exit 1; }
 out=$(mktemp -d)
+# one job per (arch, source), two at a time (the register family's instances are the long ones)
 for arch in 80 90 90a; do
     for src in "${sources[@]}"; do
-        echo "nvcc sm_$arch $src"
-        nvcc -c -std=c++17 -arch="sm_$arch" -DNDEBUG -use_fast_math -extended-lambda -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" \
-            -I"$inc" "$tree/$src" -o "$out/$(basename "$src" .cu)-sm_$arch.o" || exit 1
+        echo "$arch $src"
     done
-done
+done | xargs -P "$(nproc)" -L 1 sh -c 'echo "nvcc sm_$0 $1" && nvcc -c -std=c++17 -arch="sm_$0" -DNDEBUG -use_fast_math -extended-lambda \
+    -I"'"$tree"'/include" -I"'"$tree"'/src" -I"'"$tree"'/src/ggml-cuda" -I"'"$inc"'" "'"$tree"'/$1" -o "'"$out"'/$(basename "$1" .cu)-sm_$0.o"' \
+    || exit 1
 # the device tools that include the kernels (the wgmma probe, the kernel harness): they must follow the kernels' API
 for tool in tools/wgmma_probe.cu tools/fa_train_harness.cu; do
     echo "nvcc sm_90a $tool"
