@@ -656,5 +656,6 @@ def _run_pin_set(args: argparse.Namespace) -> int:
               "(edit, git add), then `hotggml pin set --continue`, or `hotggml pin set --abort`", file=sys.stderr)
         return EXIT_CHECK_FAILED
     print(f"pin set: ggml {record['tag']} (pin commit {record['pin_commit'][:12]}); the series is rebased and "
-          "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced")
+          "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced, its gitlink staged at "
+          f"upstream {record['upstream_commit'][:12]}: commit patches/, hotggml/pin.json and vendor/ggml together")
     return EXIT_OK

@@ -434,10 +434,12 @@ def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None =
     """CI gate: apply the series to the pristine pin in a scratch folder and verify it.
 
     Checks every patch is LF, named, listed, applies, and leaves its markers; then that
-    re-exporting the commits gives files byte-identical to the ones in patches_dir.
+    re-exporting the commits gives files byte-identical to the ones in patches_dir. Checks
+    first that the checkout's vendor/ggml gitlink is the record's upstream commit.
     Returns the scratch apply's result (its tree is deleted). Raises PatchError naming
     the patch file (and the marker/file) at fault, PinError when the pin is not usable.
     """
+    pin.check_gitlink()
     patches_dir = Path(patches_dir or paths.PATCHES_DIR)
     series = load_series(patches_dir)
     _check_unlisted(patches_dir, series)

@@ -76,6 +76,42 @@ def verify(path: Path | str | None = None) -> str:
     return gitutil.rev_parse(repo, "HEAD")
 
 
+# -- the checkout's gitlink -----------------------------------------------------------------
+
+GITLINK_PATH = "vendor/ggml"  # the submodule's path in the checkout
+
+
+def gitlink(root: Path | str = paths.REPO_ROOT) -> str | None:
+    """The commit the checkout at root records for vendor/ggml in its index (the submodule's gitlink, what
+    `git submodule update` checks out), or None when root is not a git checkout (an installed package).
+    """
+    run = subprocess.run(["git", "-C", str(root), "ls-files", "--stage", "--", GITLINK_PATH],
+                         capture_output=True, text=True)
+    if run.returncode != 0 or not (root and Path(root, ".git").exists()):
+        return None
+    fields = run.stdout.split()
+    return fields[1] if len(fields) >= 2 and fields[0] == "160000" else None
+
+
+def check_gitlink(record: dict = RECORD, root: Path | str = paths.REPO_ROOT) -> None:
+    """Raise PinError unless the checkout's gitlink for vendor/ggml is the record's upstream_commit (the
+    commit upstream has: a clone's `git submodule update --init` must find it there). Nothing to check
+    outside a git checkout.
+    """
+    sha = gitlink(root)
+    if sha is not None and sha != record["upstream_commit"]:
+        raise PinError(f"the {GITLINK_PATH} gitlink is {sha[:12]}, but hotggml/pin.json records upstream "
+                       f"{record['upstream_commit'][:12]} ({record['tag']}): a clone's `git submodule update` "
+                       f"would look for a commit upstream does not have. Fix: git update-index --cacheinfo "
+                       f"160000,{record['upstream_commit']},{GITLINK_PATH} and commit it")
+
+
+def set_gitlink(sha: str, root: Path | str = paths.REPO_ROOT) -> None:
+    """Stage `sha` as the checkout's gitlink for vendor/ggml (the user commits it with the record)."""
+    subprocess.run(["git", "-C", str(root), "update-index", "--add", "--cacheinfo", f"160000,{sha},{GITLINK_PATH}"],
+                   check=True, capture_output=True)
+
+
 def pin_commit(path: Path | str | None = None) -> str:
     """Return the commit id of the verified pin at `path` (default vendor/ggml).
 

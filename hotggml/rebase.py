@@ -196,6 +196,8 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
                               patches.CONFIG_HEAD: gitutil.rev_parse(repo, "HEAD")})
     repo.close()
     pin_record.write(record)
+    if pin.gitlink() is not None:
+        pin.set_gitlink(record["upstream_commit"])  # staged beside the record: the user commits both
     if record["source"]["kind"] != "commit":
         pin.fetch(force=True, record=record)
     shutil.rmtree(state_dir(), ignore_errors=True)

@@ -12,7 +12,6 @@ import pytest
 from hotggml import ops, parity
 from hotggml.cases import Case
 from hotggml.graph import Graph
-from hotggml.ops import OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK
 
 
 def _fused(cpu, case):
@@ -56,9 +55,9 @@ def test_backward_inherits_implicit_masks(cpu):
         v = g.param(np.ones((1, 1, 6, 8), np.float32))
         fwd = ops.flash_attn_train(g, q, k, v, None, 0.5, causal=True, window=2)
         g.build([ops.get_o(fwd)], g.sum(ops.get_o(fwd)))
-        back = g.find_nodes(OP_FLASH_ATTN_TRAIN_BACK)[0]
+        back = g.find_nodes(ops.OP_FLASH_ATTN_TRAIN_BACK)[0]
         assert ops.get_implicit_mask(fwd) == ops.get_implicit_mask(back) == (True, 2)
-        assert ops.get_implicit_mask(g.find_nodes(OP_FLASH_ATTN_TRAIN)[0]) == (True, 2)
+        assert ops.get_implicit_mask(g.find_nodes(ops.OP_FLASH_ATTN_TRAIN)[0]) == (True, 2)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

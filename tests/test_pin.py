@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -175,3 +176,27 @@ def test_not_a_repository_is_refused(tmp_path):
     (tmp_path / "ggml").mkdir()
     with pytest.raises(PinError, match="not a git repository.*hotggml fetch"):
         pin.verify(tmp_path / "ggml")
+
+
+def test_gitlink_is_the_records_upstream_commit():
+    """vendor/ggml's gitlink (what a clone's `git submodule update --init` checks out) is upstream's commit for the
+    pin as the record names it, never the commit fetch makes locally from the sdist."""
+    sha = pin.gitlink()
+    if sha is None:
+        pytest.skip("not a git checkout (an installed package has no gitlink)")
+    assert sha == pin.UPSTREAM_COMMIT, f"gitlink {sha} != pin.json upstream_commit {pin.UPSTREAM_COMMIT}"
+    assert sha != pin.SDIST_PIN_COMMIT
+
+
+def test_a_wrong_gitlink_is_refused_naming_both_commits(tmp_path):
+    root = tmp_path / "checkout"
+    subprocess.run(["git", "init", "--quiet", str(root)], check=True)
+    local = pin.SDIST_PIN_COMMIT  # the locally made commit: the mistake the check exists for
+    pin.set_gitlink(local, root)
+    with pytest.raises(PinError) as err:
+        pin.check_gitlink(pin.RECORD, root)
+    assert local[:12] in str(err.value) and pin.UPSTREAM_COMMIT[:12] in str(err.value)
+    pin.set_gitlink(pin.UPSTREAM_COMMIT, root)
+    pin.check_gitlink(pin.RECORD, root)
+    assert pin.gitlink(root) == pin.UPSTREAM_COMMIT
+    assert pin.gitlink(tmp_path / "not-a-checkout") is None

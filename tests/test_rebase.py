@@ -99,6 +99,9 @@ def test_a_clean_rebase_moves_the_pin_and_the_new_pin_passes_parity(tmp_path, sd
     assert run.returncode == 0, run.stderr[-3000:]
     new = json.loads((repo / "hotggml" / "pin.json").read_text())
     assert new["tag"] == "next-shifted" and new["source"]["kind"] == "tarball"
+    gitlink = subprocess.run(["git", "-C", str(repo), "ls-files", "--stage", "--", "vendor/ggml"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert gitlink[:2] == ["160000", new["upstream_commit"]] and new["upstream_commit"] != old["upstream_commit"]
     assert new["trees"]["src"] != old["trees"]["src"] and new["trees"]["include"] == old["trees"]["include"]
     exported = (repo / "patches" / "alloc-free-blocks.patch").read_text()
     assert "MAX_FREE_BLOCKS 1024" in exported and exported != (paths.PATCHES_DIR / "alloc-free-blocks.patch").read_text()

@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hotggml import cases, parity
+from hotggml import cases, ops, parity
 from hotggml.ffi import ffi
 from hotggml.graph import Graph
-from hotggml.ops import OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK
 
 CASE = next(c for c in cases.SMOKE if c.id == "mqa-causal")
 
@@ -45,7 +44,7 @@ def test_placement_lists_every_node(cpu):
         placed = g.placement()
         assert [t.ptr for t, _ in placed] == [t.ptr for t in g.nodes()]
         assert {d for _, d in placed} == {"CPU"}
-        assert {t.op for t, _ in placed} >= {OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK}
+        assert {t.op for t, _ in placed} >= {ops.OP_FLASH_ATTN_TRAIN, ops.OP_FLASH_ATTN_TRAIN_BACK}
         assert h.fwd.ptr.data == ffi.NULL and h.fwd.ptr.buffer == ffi.NULL  # plan() allocates nothing
 
 
