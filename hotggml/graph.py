@@ -311,6 +311,43 @@ class Graph:
         self.lib.ggml_set_param(t.ptr)
         return t
 
+    def set(self, t: Tensor, array: np.ndarray) -> None:
+        """New data for an input or param leaf ``t`` of this Graph, before or after build(): the next compute()
+        uses it (a training loop's next batch; a graph test's next input). ``array`` has t's shape in NumPy
+        order (ggml's ``ne`` reversed); its values are converted to t's dtype (float32, float16 or int32), an
+        int32 leaf taking integer values only. Until the next compute(), read() and grad() raise (the computed
+        values are the old data's).
+
+        Raises InputTypeError for a tensor that is not one of this Graph's leaves or an array of a kind the
+        leaf cannot hold, InputError for a shape or values the leaf cannot take, UsageError on a closed Graph
+        or one an Optimizer took (its step takes the data).
+        """
+        if self.ctx is None:
+            raise UsageError("this Graph is closed")
+        if self._owner is not None:
+            raise UsageError(f"this Graph is trained by {self._owner}: pass the data to its step")
+        if not isinstance(t, Tensor) or t.graph is not self or not any(t.ptr == leaf.ptr for leaf in self._leaves):
+            raise InputTypeError("set() takes an input() or param() of this Graph"
+                                 + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
+        array = np.asarray(array)
+        if ggml_shape(array.shape) != t.ne:
+            shape = tuple(reversed(t.ne))
+            while len(shape) > 1 and shape[0] == 1:  # a leaf keeps no rank: its shape without the leading 1s
+                shape = shape[1:]
+            raise InputError(f"set(): the leaf holds {shape} (NumPy order), got {array.shape}")
+        dtype = np.dtype(t.dtype)
+        if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
+            raise InputTypeError(f"set(): a {dtype} leaf cannot take {array.dtype} values")
+        if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
+            raise InputError(f"set(): values out of the {dtype} range")
+        data = np.ascontiguousarray(array, dtype=dtype)
+        if any(leaf.ptr == t.ptr for leaf, _ in self._pending):  # before build(): uploaded with the others
+            self._pending = [(leaf, data if leaf.ptr == t.ptr else arr) for leaf, arr in self._pending]
+        else:
+            self.backend.need_open()
+            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, data.nbytes)
+        self._computed = False
+
     # -- generic ops used by the exact chain and losses -----------------------------------
     def _wrap(self, ptr) -> Tensor:
         return Tensor(self, ptr)

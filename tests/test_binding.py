@@ -13,7 +13,7 @@ import pytest
 
 from hotggml import ffi as hffi
 from hotggml import ops, oracle
-from hotggml.errors import BackendError, LibraryError
+from hotggml.errors import BackendError, LibraryError, UsageError
 from hotggml.graph import Backend, Graph, Tensor
 from hotggml.parity import rel_err
 
@@ -550,3 +550,64 @@ def test_poison_takes_only_this_graphs_built_tensors(cpu):
         np.testing.assert_array_equal(g2.read(p2).reshape(x.shape), x)  # untouched
         g.compute(poison=[y])
         np.testing.assert_array_equal(g.read(y).reshape(x.shape), x)
+
+
+# -- new data between computes -------------------------------------------------------------------------
+
+def test_one_graph_three_inputs_three_answers(cpu):
+    """One built graph, computed three times with three sets of q, k, v (Graph.set) and a mask input that
+    changes too: each compute's O and gradients match the float64 oracle on that compute's data. A graph
+    that reran the first data (or uploaded only some leaves) fails the second and third."""
+    B, Nh, Nkv, S, Skv, D, Dv = 1, 2, 1, 5, 7, 8, 6
+    scale = 1 / np.sqrt(D)
+    do = np.random.default_rng(9).standard_normal((B, S, Nh, Dv)).astype(np.float32)
+    data = [_inputs(B, Nh, Nkv, S, Skv, D, Dv, seed=s) for s in (3, 4, 5)]
+    masks = [np.where(np.random.default_rng(s).random((B, 1, S, Skv)) < 0.3, -np.inf, 0).astype(np.float16)
+             for s in (6, 7, 8)]
+    for m in masks:
+        m[..., 0] = 0  # every row sees a key
+    with Graph(cpu) as g:
+        q, k, v = g.param(data[0][0], "q"), g.param(data[0][1], "k"), g.param(data[0][2], "v")
+        mask = g.input(masks[0], "mask")
+        o = ops.get_o(ops.flash_attn_train(g, q, k, v, mask, scale, "f32"))
+        g.build([o], g.dot_loss([(o, do)]))
+        answers = []
+        for i, ((qn, kn, vn), mn) in enumerate(zip(data, masks)):
+            if i > 0:
+                for t, x in ((q, qn), (k, kn), (v, vn), (mask, mn)):
+                    g.set(t, x)
+                with pytest.raises(UsageError, match="compute"):
+                    g.read(o)  # the old data's values are not handed out as the new data's
+            g.compute()
+            answers.append((g.read(o), g.grad(q), g.grad(k), g.grad(v)))
+    for (qn, kn, vn), mn, got in zip(data, masks, answers):
+        m64 = mn[:, 0].astype(np.float64)  # the oracle's mask layout: (B, S, Skv)
+        ro, _ = oracle.attention_forward(qn, kn, vn, m64, scale)
+        refs = (ro.transpose(0, 2, 1, 3), *oracle.attention_backward(qn, kn, vn, m64, scale, do.transpose(0, 2, 1, 3)))
+        for name, x, r in zip(("O", "dQ", "dK", "dV"), got, refs):
+            assert np.max(np.abs(r)) > 0, f"{name}: zero reference, vacuous"
+            assert rel_err(x, r) <= BAR, f"{name} rel err {rel_err(x, r):.2e}"
+    assert rel_err(answers[0][0], answers[1][0]) > 1e-2 and rel_err(answers[1][0], answers[2][0]) > 1e-2
+
+
+def test_set_refuses_what_the_leaf_cannot_take(cpu):
+    with Graph(cpu) as g:
+        x = g.input(np.zeros((2, 3), np.float32), "x")
+        ids = g.input(np.zeros(4, np.int32), "ids")
+        y = g.add(x, x)
+        other = Graph(cpu)
+        with pytest.raises(TypeError, match="input\\(\\) or param\\(\\) of this Graph"):
+            g.set(y, np.zeros((2, 3)))  # a computed node
+        with pytest.raises(TypeError, match="of this Graph"):
+            g.set(other.input(np.zeros((2, 3), np.float32)), np.zeros((2, 3)))
+        other.close()
+        with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 2\)"):
+            g.set(x, np.zeros((3, 2)))
+        with pytest.raises(TypeError, match="int32 leaf cannot take float64"):
+            g.set(ids, np.zeros(4))
+        with pytest.raises(ValueError, match="range"):
+            g.set(ids, np.full(4, 2**40))
+        g.set(x, np.ones((2, 3)))  # before build(): the pending upload takes it
+        g.build([y])
+        g.compute()
+        assert np.array_equal(g.read(y).reshape(2, 3), np.full((2, 3), 2, np.float32))
