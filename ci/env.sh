@@ -1,5 +1,5 @@
 # Sourced, by the ci/*.sh scripts and by a user's shell (`source ci/env.sh`): a project venv (.venv) with
-# the dependencies that pyproject.toml declares ([project.dependencies] + the `test` extra), installed by
+# the dependencies that pyproject.toml declares ([project.dependencies] + the `tooling` and `test` extras), installed by
 # name through pip's configured index, put first on PATH, the checkout on PYTHONPATH, and `hotggml` defined
 # as `python -m hotggml`. Idempotent: a venv whose stamp matches is reused. It changes nothing else: no shell
 # options (a `set -e` here would close an interactive shell at its next failing command), no `cd`.
@@ -15,7 +15,8 @@ hotggml_env() {
         deps=$("$root/.venv/bin/python" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 meta = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(meta["dependencies"] + meta["optional-dependencies"]["test"]))
+extras = meta["optional-dependencies"]
+print("\n".join(meta["dependencies"] + extras["tooling"] + extras["test"]))
 PY
 ) || return 1
         # shellcheck disable=SC2086

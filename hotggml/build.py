@@ -294,28 +294,7 @@ def _set_current(info: BuildInfo) -> None:
 
 
 def current_lib_dir(backend: str | None = None, series_hash: str | None = None) -> Path | None:
-    """Library folder of the newest good build of ``backend`` (else cuda, then cpu), or None.
+    """hotggml.libdir.current_lib_dir, an older build of the code counted only with this checkout's options."""
+    from hotggml import libdir
 
-    With ``series_hash``, a build of that series is preferred over any other (a CUDA build of an
-    old series must not shadow a fresh CPU build); without a match the newest build is returned
-    and the binding's stamp check reports it stale.
-    """
-    found = []
-    for name in ([backend] if backend else ["cuda", "cpu"]):
-        pointer = paths.build_root() / f"current-{name}.json"
-        if pointer.is_file():
-            record = json.loads(pointer.read_text())
-            lib_dir = Path(record["lib_dir"])
-            if (lib_dir / "hotggml-build.json").is_file():
-                found.append((record.get("series_hash"), lib_dir))
-    for series, lib_dir in found:
-        if series_hash is None or series == series_hash:
-            return lib_dir
-    # an older good build of this very series (e.g. after a patch edit was reverted): no rebuild needed
-    for name in ([backend] if backend else ["cuda", "cpu"]):
-        for done in sorted(paths.build_root().glob(f"{name}-*/.complete"), key=lambda p: p.stat().st_mtime, reverse=True):
-            record = json.loads(done.read_text())
-            defines = {k: v for k, v in record.get("defines", {}).items() if k != "HOTGGML_BUILD_TESTS"}
-            if record.get("series_hash") == series_hash and defines == cmake_defines(name):
-                return done.parent / "lib"
-    return found[0][1] if found else None
+    return libdir.current_lib_dir(backend, series_hash, defines_of=cmake_defines)

@@ -62,6 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HotggmlError as exc:
         print(f"hotggml: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except ModuleNotFoundError as exc:  # a dependency of the tooling the binding does not need (GitPython)
+        name = (exc.name or "").split(".")[0]
+        package = {"git": "GitPython"}.get(name, name)
+        print(f"hotggml: error: `hotggml {args.command}` needs {package}, which is not installed: "
+              f"pip install '{package.lower()}' (or this package's `tooling` extra)", file=sys.stderr)
+        return EXIT_ERROR
     except OSError as exc:  # a file the command reads or writes (a --json path, a log): say which, no traceback
         print(f"hotggml: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -106,14 +112,15 @@ def _with_defaults_shown(add_parser: Callable[..., argparse.ArgumentParser]) -> 
 def version_line() -> str:
     """'hotggml X (ggml TAG upstream COMMIT, series HASH)': the package version (hotggml.__version__, which
     pyproject.toml reads), the pin, and the series of this checkout (or of the installed build's record)."""
-    from hotggml import __version__, paths, pin
+    from hotggml import __version__, paths
+    from hotggml import pin_record as pin  # the record alone: no git needed to say the version
 
     series = "unknown"
     try:
         if paths.is_checkout():
-            from hotggml import patches
+            from hotggml import series as series_file
 
-            series = patches.series_hash()[:12]
+            series = series_file.code_hash()[:12]  # what the build stamps: hotggml-build.json's series_hash
         else:
             import json
 

@@ -81,9 +81,9 @@ def find_lib_dir() -> Path:
         return Path(env)
     candidates = []
     candidates.append(_package_lib_dir())
-    from hotggml import build  # the binding only needs to know where the built library is
+    from hotggml import libdir  # where the builds are, without the build tooling
 
-    current = build.current_lib_dir(series_hash=_checkout_series_hash())
+    current = libdir.current_lib_dir(series_hash=_checkout_series_hash())
     if current is not None:
         candidates.append(current)
     for cand in candidates:
@@ -95,14 +95,15 @@ def find_lib_dir() -> Path:
 
 
 def _checkout_series_hash() -> str | None:
-    """Series hash of this checkout's patches/, or None for an installed package without one."""
+    """The code hash of this checkout's series (hotggml.series.code_hash: a patch's message is not part of
+    it), or None for an installed package without patches/."""
     from hotggml import paths
 
     if not paths.PATCHES_DIR.joinpath("series").is_file():
         return None
     from hotggml import series
 
-    return series.series_hash()
+    return series.code_hash()
 
 
 def _lib_file_name() -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotggml import patches, paths, pin
+from hotggml import patches, paths, pin, series
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A patched tree ready to build: where it is, the upstream pin commit, and the series hash."""
+    """A patched tree ready to build: where it is, the upstream pin commit, and the series' code hash
+    (hotggml.series.code_hash: what the build consumes of the patches; named series_hash in the build's
+    records and stamp)."""
 
     source_dir: Path
     pin: str
@@ -29,4 +31,4 @@ def prepare() -> Prepared:
     paths.require_checkout("prepare")
     pin.fetch()
     applied = patches.apply()
-    return Prepared(applied.tree, pin.UPSTREAM_COMMIT, applied.series_hash)
+    return Prepared(applied.tree, pin.UPSTREAM_COMMIT, series.code_hash())

@@ -1,4 +1,5 @@
-"""The series file and its hash: what names the patches and keys builds and stamps.
+"""The series file and its hashes: series_hash (every byte: what the work repo was applied from) and
+code_hash (the patches' diffs: what keys builds and stamps a library).
 
 Kept apart from hotggml.patches (which drives git) so that the binding can check a library's stamp
 against this checkout without importing GitPython or the patch tooling.
@@ -64,4 +65,27 @@ def series_hash(patches_dir: Path | str | None = None) -> str:
         # Length-prefixed so that moving bytes between files changes the hash.
         digest.update(f"\0{entry}\0{len(data)}\0".encode())
         digest.update(data)
+    return digest.hexdigest()
+
+
+def code_hash(patches_dir: Path | str | None = None) -> str:
+    """Return the sha256 (hex) over what a build consumes of the series: each listed patch's diff (from its
+    first ``diff --git`` line on), in series order.
+
+    A patch's message and trailers (Patch-Name, Marker, Upstream-Status), its file name and the series file's
+    comments are not part of it: editing them changes series_hash (the work repo re-applies) but not this,
+    so a built library stays current; any change to what the patches change gives a new hash. It keys
+    builds and is stamped into the library. Raises PatchError as series_entries does, or for a missing file.
+    """
+    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
+    digest = hashlib.sha256(b"hotggml code of the series v1")
+    for entry in series_entries(patches_dir):
+        path = patches_dir / entry
+        if not path.is_file():
+            raise PatchError(f"{path}: listed in the series but there is no such file")
+        data = path.read_bytes()
+        at = data.find(b"\ndiff --git ")
+        diff = data[at + 1:] if at >= 0 else b""
+        digest.update(f"\0{len(diff)}\0".encode())  # length-prefixed: moving bytes between patches changes it
+        digest.update(diff)
     return digest.hexdigest()

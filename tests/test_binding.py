@@ -375,10 +375,10 @@ def test_parse_stamp():
 
 
 def test_loaded_stamp_is_this_checkout(lib, cpu_build):
-    from hotggml import patches, pin
+    from hotggml import pin, series
 
     stamp = hffi.parse_stamp(hffi.ffi.string(lib.hotggml_build_stamp()).decode())
-    assert stamp == {"pin": pin.UPSTREAM_COMMIT, "series_hash": patches.series_hash()}
+    assert stamp == {"pin": pin.UPSTREAM_COMMIT, "series_hash": series.code_hash()}
     assert stamp["series_hash"] == cpu_build.series_hash
 
 
@@ -389,7 +389,7 @@ def test_stale_library_refused(lib, monkeypatch, what):
     try:
         with monkeypatch.context() as m:
             if what == "series_hash":
-                m.setattr(series, "series_hash", lambda *a, **k: "0" * 64)
+                m.setattr(series, "code_hash", lambda *a, **k: "0" * 64)
             elif what == "pin":
                 m.setattr(pin_record, "UPSTREAM_COMMIT", "1" * 40)
             else:
@@ -401,6 +401,39 @@ def test_stale_library_refused(lib, monkeypatch, what):
     finally:
         hffi.load.cache_clear()
     assert hffi.load() is not None  # restored: loads again
+
+
+def test_a_message_edit_keeps_the_library_a_code_edit_refuses_it(lib, monkeypatch, tmp_path):
+    """The stamp carries the series' code hash: editing a patch's message (the work repo re-applies: the
+    series hash moves) leaves the built library loadable; editing what it changes makes load() refuse it."""
+    import shutil
+
+    from hotggml import paths, series
+
+    copy = tmp_path / "patches"
+    shutil.copytree(paths.PATCHES_DIR, copy)
+    target = copy / "alloc-free-blocks.patch"
+    text = target.read_text()
+    at = text.index("\ndiff --git ")
+    message, diff = text[:at], text[at:]
+    assert "MAX_FREE_BLOCKS 1024" in diff
+    target.write_text(message.replace("Subject: ", "Subject: (reworded) ", 1) + diff)
+    code = series.code_hash(paths.PATCHES_DIR)
+    assert series.series_hash(copy) != series.series_hash(paths.PATCHES_DIR)
+    assert series.code_hash(copy) == code
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(paths, "PATCHES_DIR", copy)
+            hffi.load.cache_clear()
+            assert hffi.load() is not None  # a message edit: the same code, the library current
+            target.write_text(message + diff.replace("MAX_FREE_BLOCKS 1024", "MAX_FREE_BLOCKS 1025", 1))
+            assert series.code_hash(copy) != code
+            hffi.load.cache_clear()
+            with pytest.raises(LibraryError, match="stale.*hotggml build"):
+                hffi.load()
+    finally:
+        hffi.load.cache_clear()
+    assert hffi.load() is not None
 
 
 # -- determinism ------------------------------------------------------------------------------------

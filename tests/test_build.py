@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hotggml import build, paths, patches, pin
+from hotggml import build, paths, pin, series
 from hotggml.errors import BuildError
 
 PIN = "eced84c86f8b012c752c016f7fe789adea168e1e"
@@ -21,7 +21,7 @@ def test_second_build_is_reused(cpu_build):
     assert (second.lib_dir / "hotggml-build.json").is_file()
     assert (second.build_dir / ".complete").is_file()
     assert second.pin == pin.UPSTREAM_COMMIT == PIN
-    assert second.series_hash == patches.series_hash()
+    assert second.series_hash == series.code_hash()  # the code of the series keys a build
     defines = build.cmake_defines("cpu")
     assert second.build_dir == build.build_dir_for("cpu", second.pin, second.series_hash, defines)
     assert build.current_lib_dir("cpu") == second.lib_dir

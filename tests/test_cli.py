@@ -149,3 +149,37 @@ def test_a_command_imports_only_its_own_module():
     assert "usage: hotggml prepare" in run.stdout
     full = _hotggml("--help")  # the full parser still lists every command
     assert full.returncode == 0 and all(name in full.stdout for name in cli.COMMANDS)
+
+
+# GitPython made unimportable in a child interpreter: what a user with the binding's dependencies alone has
+_NO_GIT = """
+import runpy, sys
+class _NoGit:
+    def find_spec(self, name, path=None, target=None):
+        if name == "git" or name.startswith("git."):
+            raise ModuleNotFoundError("No module named 'git'", name="git")
+sys.meta_path.insert(0, _NoGit())
+sys.argv = ["hotggml"] + sys.argv[1:]
+runpy.run_module("hotggml", run_name="__main__")
+"""
+
+
+def _without_git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_GIT, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)}, cwd=paths.REPO_ROOT)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], *([c, "--help"] for c in cli.COMMANDS)],
+                         ids=lambda a: " ".join(a))
+def test_help_without_gitpython(args):
+    run = _without_git(*args)
+    assert run.returncode == 0, run.stderr[-1500:]
+    assert "Traceback" not in run.stderr and run.stdout.strip()
+
+
+@pytest.mark.parametrize("args", [["patches", "check"], ["fetch"], ["build", "--backend", "cpu"]])
+def test_tooling_without_gitpython_is_one_error_line(args):
+    run = _without_git(*args)
+    assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hotggml: error:") and "GitPython" in lines[0], run.stderr

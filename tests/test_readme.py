@@ -20,6 +20,30 @@ def test_readme_python_example_runs(lib):
     assert "O and dQ match float64 NumPy" in run.stdout
 
 
+# the binding's example must not need the tooling: GitPython, the build orchestrator or the patch modules
+_TOOLING = ("git", "hotggml.build", "hotggml.patches", "hotggml.gitutil", "hotggml.pin")
+_BLOCK_TOOLING = f"""
+import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name in {_TOOLING!r} or name.startswith("git."):
+            raise ImportError("blocked by the test: the binding imported " + name)
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def test_readme_example_runs_without_the_tooling(lib):
+    """The README's example with GitPython, hotggml.build and the patch modules made unimportable: the binding
+    (graph, ops, ffi) finds and checks its library without them, and none is in sys.modules afterwards."""
+    text = (paths.REPO_ROOT / "README.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    check = f"\nimport sys\nloaded = [m for m in {_TOOLING!r} if m in sys.modules]\nassert not loaded, loaded\n"
+    run = subprocess.run([sys.executable, "-c", _BLOCK_TOOLING + example + check], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "O and dQ match float64 NumPy" in run.stdout
+
+
 def test_readme_states_the_prerequisites_as_the_build_does():
     readme = (paths.REPO_ROOT / "README.md").read_text()
     cmake_min = re.search(r"cmake_minimum_required\(VERSION ([\d.]+)\)", (paths.REPO_ROOT / "CMakeLists.txt").read_text())
