@@ -110,6 +110,17 @@ def set_gitlink(sha: str, root: Path | str = paths.REPO_ROOT) -> None:
     """Stage `sha` as the checkout's gitlink for vendor/ggml (the user commits it with the record)."""
     subprocess.run(["git", "-C", str(root), "update-index", "--add", "--cacheinfo", f"160000,{sha},{GITLINK_PATH}"],
                    check=True, capture_output=True)
+    protect_gitlink(root)
+
+
+def protect_gitlink(root: Path | str = paths.REPO_ROOT) -> None:
+    """Mark the checkout's vendor/ggml gitlink assume-unchanged (a flag of the local index, never committed):
+    a vendor/ggml materialized from the sdist has another commit than upstream's, and `git commit -a` would
+    record that commit as the gitlink (.gitmodules' `ignore = all` hides it from status, not from commit -a).
+    Nothing outside a git checkout."""
+    if gitlink(root) is not None:
+        subprocess.run(["git", "-C", str(root), "update-index", "--assume-unchanged", GITLINK_PATH],
+                       check=True, capture_output=True)
 
 
 def pin_commit(path: Path | str | None = None) -> str:
@@ -138,6 +149,8 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
     record = record or RECORD
     dest = Path(dest) if dest else paths.VENDOR_DIR
     cache = Path(cache_dir) if cache_dir else paths.cache_dir()
+    if dest.resolve() == paths.VENDOR_DIR.resolve():
+        protect_gitlink()
     existing = _existing_pin(dest, force, record)
     if existing:
         return FetchResult(dest, existing, "existing", changed=False)

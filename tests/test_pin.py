@@ -200,3 +200,23 @@ def test_a_wrong_gitlink_is_refused_naming_both_commits(tmp_path):
     pin.check_gitlink(pin.RECORD, root)
     assert pin.gitlink(root) == pin.UPSTREAM_COMMIT
     assert pin.gitlink(tmp_path / "not-a-checkout") is None
+
+
+def test_commit_all_keeps_the_gitlink(tmp_path):
+    """A vendor/ggml whose commit is the locally made one (what fetch materializes) is not recorded by
+    `git commit -a`: the gitlink stays upstream's (the trap that moved it once)."""
+    root = tmp_path / "checkout"
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True, text=True).stdout
+    subprocess.run(["git", "init", "--quiet", str(root)], check=True)
+    vendor = root / "vendor" / "ggml"
+    vendor.mkdir(parents=True)
+    subprocess.run(["git", "init", "--quiet", str(vendor)], check=True)
+    (vendor / "f").write_text("x")
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "-C", str(vendor), *ident, "add", "f"], check=True)
+    subprocess.run(["git", "-C", str(vendor), *ident, "commit", "--quiet", "-m", "local"], check=True)
+    pin.set_gitlink(pin.UPSTREAM_COMMIT, root)  # stages it and protects it
+    (root / "README").write_text("r")
+    git("add", "README")
+    subprocess.run(["git", "-C", str(root), *ident, "commit", "--quiet", "-am", "a commit -a"], check=True)
+    assert git("ls-tree", "HEAD", "vendor/ggml").split()[2] == pin.UPSTREAM_COMMIT
