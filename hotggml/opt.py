@@ -43,7 +43,8 @@ from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.ffi import ffi, load
 from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, walk
 
-GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: ggml_opt_init makes its static graphs this size (nodes and leafs)
+GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: the smallest static graphs ggml_opt_init is asked for (patch
+                   # opt-graph-size: ggml_opt_params.graph_size; a larger model gets graphs of its own size)
 LOSS_NODES = 6  # nodes ggml-opt adds for its loss (MSE: sub, sqr, sum, scale; cross-entropy: loss, scale, argmaxes, count)
 FLAG_LOSS = 8  # enum ggml_tensor_flag GGML_TENSOR_FLAG_LOSS
 OPT_PERIOD_MAX = 2**31 - 1  # int32_t in struct ggml_opt_params
@@ -176,7 +177,7 @@ class Optimizer:
             raise InputError(f"opt_period (micro-batches per optimizer step) must be in [1, {OPT_PERIOD_MAX}], "
                              f"got {opt_period}")
         graph.backend.need_open()
-        self._check_model(graph, inputs, outputs, loss)
+        self.graph_size = self._check_model(graph, inputs, outputs, loss)
 
         lib = self.lib = load()
         self.graph, self.inputs, self.outputs, self.loss = graph, inputs, outputs, loss
@@ -196,10 +197,11 @@ class Optimizer:
         for t, values in graph._pending:
             self._check_ids(t.ptr, values)
         graph.freeze("an Optimizer")  # inputs and params allocated and uploaded; the Graph is ours now
-        # ggml_opt's graphs hold up to GRAPH_SIZE nodes and GRAPH_SIZE leafs: the scheduler's hash set
+        # ggml_opt's graphs hold up to graph_size nodes and graph_size leafs: the scheduler's hash set
         # must take both (ggml_backend_sched asserts it)
-        self._native.sched = Scheduler(graph.backend, graph_size=2 * GRAPH_SIZE)
+        self._native.sched = Scheduler(graph.backend, graph_size=2 * self.graph_size)
         params = lib.ggml_opt_default_params(self._native.sched._ptr, LOSSES[loss])
+        params.graph_size = self.graph_size
         params.ctx_compute = graph.ctx
         params.inputs = inputs.ptr
         params.outputs = outputs.ptr
@@ -211,7 +213,9 @@ class Optimizer:
 
     # -- checks ------------------------------------------------------------------------------------
     @staticmethod
-    def _check_model(graph: Graph, inputs: Tensor, outputs: Tensor, loss: str) -> None:
+    def _check_model(graph: Graph, inputs: Tensor, outputs: Tensor, loss: str) -> int:
+        """Refuse (InputError, InputTypeError) what ggml-opt would assert on; return the size of its static
+        graphs: what the forward, the backward and the optimizer steps need, at least GRAPH_SIZE."""
         lib = graph.lib
         if not any(_same(inputs.ptr, t.ptr) for t in graph._leaves) or int(inputs.ptr.flags) & FLAG_PARAM:
             raise InputError("inputs must be an input() leaf of the graph (not a param, not a computed node)")
@@ -237,17 +241,17 @@ class Optimizer:
         # gf holds the forward and the loss; gb_grad and gb_opt, the same size, add the backward (at most
         # BACKWARD_GROWTH nodes per forward node) and one optimizer step per parameter
         need = (len(nodes) + LOSS_NODES) * (1 + BACKWARD_GROWTH) + n_params
-        if need > GRAPH_SIZE or len(leafs) + 2 > GRAPH_SIZE:
-            raise InputError(f"the model has {len(nodes)} forward nodes and {len(leafs)} leafs: with the backward "
-                             f"and the optimizer steps that is up to {need} nodes, over ggml-opt's graph size "
-                             f"{GRAPH_SIZE} (GGML_DEFAULT_GRAPH_SIZE); use a smaller graph")
-        # ggml-opt makes three graphs of GRAPH_SIZE (with gradients) and the backward's tensors in the Graph's
+        graph_size = max(GRAPH_SIZE, need, len(leafs) + 2)
+        # ggml-opt makes three graphs of graph_size (with gradients) and the backward's tensors in the Graph's
         # context: ggml_init'ed with a fixed size, it aborts when full
         room = graph._mem - lib.ggml_used_mem(graph.ctx)
-        want = 3 * lib.ggml_graph_overhead_custom(GRAPH_SIZE, True) + lib.ggml_tensor_overhead() * (need + 16)
+        want = 3 * lib.ggml_graph_overhead_custom(graph_size, True) + lib.ggml_tensor_overhead() * (need + 16)
         if want > room:
-            raise InputError(f"the Graph's context has {room} bytes left, ggml-opt needs up to {want}: make the "
-                             f"Graph with a larger max_nodes (now {graph.max_nodes})")
+            raise InputError(f"the model has {len(nodes)} forward nodes: with the backward and the optimizer steps "
+                             f"up to {need}, in graphs of {graph_size} nodes; the Graph's context has {room} bytes "
+                             f"left, ggml-opt needs up to {want}: make the Graph with a larger max_nodes "
+                             f"(now {graph.max_nodes})")
+        return graph_size
 
     def _find_index_checks(self) -> list[tuple[object, int]]:
         """(leaf pointer, rows) for the row ids of every GET_ROWS, followed back to the leaf they come from

@@ -1,13 +1,15 @@
 """`hotggml train-demo`: a small attention model trained from Python, with the fused op and with the exact
 chain, side by side (SPEC §6: the worked example of adopting the ops).
 
-The model (ggml order, ``ne[0]`` fastest; B sequences of S tokens, E = Nh*D model width):
+The model (ggml order, ``ne[0]`` fastest; B sequences of S tokens, E the model width, Nh*D by default):
 
     ids [S, B] int32 -> get_rows(tok_emb [E, V]) + pos_emb [E, S]            h   [E, S, B]
-    x = rms_norm(h) * g1                                                      x   [E, S*B]
-    q = Wq x -> [D, S, Nh, B], k = Wk x, v = Wv x -> [D, S, Nkv, B]           (views, no copies)
-    attention, causal, GQA (Nkv kv heads shared by Nh/Nkv query heads each)   o   [D, Nh, S, B]
-    h2 = h + Wo o;  logits = W_head (rms_norm(h2) * g2)                       out [V, S*B]
+    per block (``layers`` of them, each with its own g1, Wq, Wk, Wv, Wo):
+      x = rms_norm(h) * g1                                                    x   [E, S*B]
+      q = Wq x -> [D, S, Nh, B], k = Wk x, v = Wv x -> [D, S, Nkv, B]         (views, no copies)
+      attention, causal, GQA (Nkv kv heads shared by Nh/Nkv query heads each) o   [D, Nh, S, B]
+      h = h + Wo o
+    logits = W_head (rms_norm(h) * g2)                                        out [V, S*B]
 
 and the attention is one of two arms, from the same initial weights and the same batches:
 
@@ -65,7 +67,9 @@ class DemoConfig:
     length: int = 16  # L: symbols per sequence, S = 2L tokens are fed (the last reversed one is only a target)
     heads: int = 4  # Nh
     kv_heads: int = 2  # Nkv (GQA: Nh / Nkv query heads per kv head)
-    head_dim: int = 8  # D; E = Nh * D
+    head_dim: int = 8  # D
+    layers: int = 1  # attention blocks (pre-norm, residual), each with its own weights
+    width: int = 0  # E, the residual stream's width; 0: Nh * D
     batch: int = 16  # sequences per micro-batch
     opt_period: int = 2  # micro-batches per optimizer step (gradient accumulation)
     steps: int = 300  # optimizer steps
@@ -75,7 +79,10 @@ class DemoConfig:
     backend: str = "CPU"  # registry device name; ggml-opt's scheduler falls back to the CPU for what it refuses
 
     def __post_init__(self):
-        for name in ("symbols", "length", "heads", "kv_heads", "head_dim", "batch", "opt_period", "steps", "threads"):
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 0:
+            raise InputError(f"width must be an int >= 0 (0: heads * head_dim), got {self.width!r}")
+        for name in ("symbols", "length", "heads", "kv_heads", "head_dim", "layers", "batch", "opt_period", "steps",
+                     "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be an int >= 1, got {value!r}")
@@ -104,7 +111,7 @@ class DemoConfig:
 
     @property
     def embed(self) -> int:
-        return self.heads * self.head_dim
+        return self.width or self.heads * self.head_dim
 
 
 def make_batch(rng: np.random.Generator, cfg: DemoConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -128,15 +135,17 @@ def init_params(cfg: DemoConfig) -> dict[str, np.ndarray]:
     def lin(n_out, n_in):
         return (rng.standard_normal((n_out, n_in)) / math.sqrt(n_in)).astype(np.float32)
 
-    return {
+    params = {
         "tok_emb": (rng.standard_normal((V, E)) * 0.5).astype(np.float32),
         "pos_emb": (rng.standard_normal((S, E)) * 0.5).astype(np.float32),
-        "g1": np.ones(E, np.float32),
-        "wq": lin(cfg.heads * D, E), "wk": lin(cfg.kv_heads * D, E), "wv": lin(cfg.kv_heads * D, E),
-        "wo": lin(E, cfg.heads * D),
-        "g2": np.ones(E, np.float32),
-        "head": lin(V, E),
     }
+    for layer in range(cfg.layers):  # block 0's names are the one-block demo's (its weights are drawn as before)
+        sfx = "" if layer == 0 else f".{layer}"
+        params.update({f"g1{sfx}": np.ones(E, np.float32), f"wq{sfx}": lin(cfg.heads * D, E),
+                       f"wk{sfx}": lin(cfg.kv_heads * D, E), f"wv{sfx}": lin(cfg.kv_heads * D, E),
+                       f"wo{sfx}": lin(E, cfg.heads * D)})
+    params.update({"g2": np.ones(E, np.float32), "head": lin(V, E)})
+    return params
 
 
 def causal_mask(S: int) -> np.ndarray:
@@ -161,18 +170,14 @@ def build_model(g, cfg: DemoConfig, params: dict[str, np.ndarray], arm: str):
 
     tok = g.wrap(lib.ggml_get_rows(ctx, p["tok_emb"].ptr, g.reshape(ids, (S * B, 1, 1, 1)).ptr))  # [E, S*B]
     h = g.wrap(lib.ggml_add(ctx, g.reshape(tok, (E, S, B, 1)).ptr, p["pos_emb"].ptr))           # [E, S, B]
-    x = g.reshape(norm(h, p["g1"]), (E, S * B, 1, 1))
-
-    def heads(w, n):  # [n*D, S*B] -> [D, S, n, B], a permuted view
-        return g.permute(g.reshape(g.mul_mat(w, x), (D, n, S, B)), 0, 2, 1, 3)
-
-    q, k, v = heads(p["wq"], Nh), heads(p["wk"], Nkv), heads(p["wv"], Nkv)
+    h = g.reshape(h, (E, S * B, 1, 1))
     scale = 1.0 / math.sqrt(D)
-    if arm == "fused":
-        o = ops.get_o(ops.flash_attn_train(g, q, k, v, None, scale, prec="f32", causal=True))    # [D, Nh, S, B]
-        if not o.is_contiguous():
-            o = g.cont(o)
-    else:
+
+    def attention(q, k, v):  # q [D, S, Nh, B], k, v [D, S, Nkv, B] -> O [D, Nh, S, B], contiguous
+        if arm == "fused":
+            o = ops.get_o(ops.flash_attn_train(g, q, k, v, None, scale, prec="f32", causal=True))
+            return o if o.is_contiguous() else g.cont(o)
+
         def expand(t):  # [D, S, Nkv, B] -> [D, S, Nh, B], head h reading kv head h // (Nh/Nkv)
             flat = g.reshape(g.cont(t), (D * S, 1, Nkv, B))
             rep = g.wrap(lib.ggml_repeat_4d(ctx, flat.ptr, D * S, Nh // Nkv, Nkv, B))
@@ -181,10 +186,18 @@ def build_model(g, cfg: DemoConfig, params: dict[str, np.ndarray], arm: str):
         kq = g.mul_mat(expand(k), g.cont(q))                      # [S(keys), S, Nh, B]
         probs = g.soft_max_ext(kq, mask, scale)
         vt = g.cont(g.permute(expand(v), 1, 0, 2, 3))             # [S(keys), D, Nh, B]
-        o = g.cont(g.permute(g.mul_mat(vt, probs), 0, 2, 1, 3))   # [D, Nh, S, B]
-    attn = g.mul_mat(p["wo"], g.reshape(o, (Nh * D, S * B, 1, 1)))                               # [E, S*B]
-    h2 = g.add(g.reshape(h, (E, S * B, 1, 1)), attn)
-    logits = g.mul_mat(p["head"], norm(h2, p["g2"]))                                             # [V, S*B]
+        return g.cont(g.permute(g.mul_mat(vt, probs), 0, 2, 1, 3))
+
+    for layer in range(cfg.layers):  # pre-norm blocks: h += Wo attention(norm(h))
+        sfx = "" if layer == 0 else f".{layer}"
+        x = norm(h, p[f"g1{sfx}"])
+
+        def heads(w, n):  # [n*D, S*B] -> [D, S, n, B], a permuted view
+            return g.permute(g.reshape(g.mul_mat(w, x), (D, n, S, B)), 0, 2, 1, 3)
+
+        o = attention(heads(p[f"wq{sfx}"], Nh), heads(p[f"wk{sfx}"], Nkv), heads(p[f"wv{sfx}"], Nkv))
+        h = g.add(h, g.mul_mat(p[f"wo{sfx}"], g.reshape(o, (Nh * D, S * B, 1, 1))))                # [E, S*B]
+    logits = g.mul_mat(p["head"], norm(h, p["g2"]))                                                # [V, S*B]
     return ids, logits
 
 
