@@ -64,13 +64,6 @@ def test_version_names_package_pin_and_series():
     assert re.search(r"series [0-9a-f]{12}\)", run.stdout)  # this checkout's series hash
 
 
-def test_version_has_one_source():
-    """pyproject.toml takes the version from hotggml/__init__.py (scikit-build-core's regex provider)."""
-    text = (paths.REPO_ROOT / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in text and 'input = "hotggml/__init__.py"' in text
-    assert not re.search(r'^version\s*=', text, re.M)
-
-
 def test_usage_errors_exit_2_and_unknown_commands_too():
     assert _hotggml("parity", "--prec", "f64").returncode == cli.EXIT_ERROR
     assert _hotggml("no-such-command").returncode == cli.EXIT_ERROR

@@ -49,4 +49,3 @@ def test_readme_states_the_prerequisites_as_the_build_does():
     cmake_min = re.search(r"cmake_minimum_required\(VERSION ([\d.]+)\)", (paths.REPO_ROOT / "CMakeLists.txt").read_text())
     assert f"CMake >= {cmake_min.group(1)}" in readme
     assert f'cmake.version = ">={cmake_min.group(1)}"' in (paths.REPO_ROOT / "pyproject.toml").read_text()
-    assert "rpc" in readme.lower() and "hotggml bench" in readme and "hotggml probe" in readme
