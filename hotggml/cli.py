@@ -62,11 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HotggmlError as exc:
         print(f"hotggml: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except ModuleNotFoundError as exc:  # a dependency of the tooling the binding does not need (GitPython)
-        name = (exc.name or "").split(".")[0]
-        package = {"git": "GitPython"}.get(name, name)
-        print(f"hotggml: error: `hotggml {args.command}` needs {package}, which is not installed: "
-              f"pip install '{package.lower()}' (or this package's `tooling` extra)", file=sys.stderr)
+    except ImportError as exc:  # a dependency not installed (GitPython: the tooling's, not the binding's)
+        name = (getattr(exc, "name", None) or "").split(".")[0]
+        if name == "hotggml":
+            raise  # a module of this package missing: a broken install, not the user's to fix by pip
+        if name == "git" or "git" in str(exc).lower():
+            print(f"hotggml: error: `hotggml {args.command}` needs GitPython and git: {exc} (pip install gitpython, "
+                  "or this package's `tooling` extra; git from the OS)", file=sys.stderr)
+        else:
+            print(f"hotggml: error: `hotggml {args.command}` needs the Python module {name or '?'}, which is not "
+                  f"installed: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except OSError as exc:  # a file the command reads or writes (a --json path, a log): say which, no traceback
         print(f"hotggml: error: {exc}", file=sys.stderr)

@@ -329,6 +329,9 @@ class Graph:
         if not isinstance(t, Tensor) or t.graph is not self or not any(t.ptr == leaf.ptr for leaf in self._leaves):
             raise InputTypeError("set() takes an input() or param() of this Graph"
                                  + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
+        if array is None or isinstance(array, (Tensor, np.ma.MaskedArray)):
+            raise InputTypeError(f"set() takes the new values as a NumPy array (a masked array filled first), got "
+                                 f"{type(array).__name__}")
         array = np.asarray(array)
         if ggml_shape(array.shape) != t.ne:
             shape = tuple(reversed(t.ne))
@@ -340,7 +343,9 @@ class Graph:
             raise InputTypeError(f"set(): a {dtype} leaf cannot take {array.dtype} values")
         if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
             raise InputError(f"set(): values out of the {dtype} range")
-        data = np.ascontiguousarray(array, dtype=dtype)
+        if dtype == np.float16 and array.dtype.kind == "f" and np.any(np.abs(array[np.isfinite(array)]) > np.finfo(np.float16).max):
+            raise InputError("set(): finite values beyond float16's range (65504) would become inf")
+        data = np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change before compute
         if any(leaf.ptr == t.ptr for leaf, _ in self._pending):  # before build(): uploaded with the others
             self._pending = [(leaf, data if leaf.ptr == t.ptr else arr) for leaf, arr in self._pending]
         else:

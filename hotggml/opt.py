@@ -146,7 +146,7 @@ class Optimizer:
     threads with ``Backend("CPU", n_threads=...)``. An Optimizer never closed is freed when collected.
 
     Raises InputTypeError / InputError for any argument ggml-opt would assert on (including a forward graph
-    too large for ggml-opt's graphs of 2048 nodes with their backward, or a Graph context without room for
+    too large for the Graph's context with ggml-opt's graphs (sized to the model, at least 2048 nodes), or without room for
     them, or an op without a backward case in ggml on the way from a parameter to the outputs), UsageError
     for a closed or built Graph or Backend.
     """

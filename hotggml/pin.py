@@ -85,12 +85,26 @@ def gitlink(root: Path | str = paths.REPO_ROOT) -> str | None:
     """The commit the checkout at root records for vendor/ggml in its index (the submodule's gitlink, what
     `git submodule update` checks out), or None when root is not a git checkout (an installed package).
     """
-    run = subprocess.run(["git", "-C", str(root), "ls-files", "--stage", "--", GITLINK_PATH],
-                         capture_output=True, text=True)
-    if run.returncode != 0 or not (root and Path(root, ".git").exists()):
+    if not Path(root, ".git").exists():
         return None
+    run = _git_index(root, "ls-files", "--stage", "--", GITLINK_PATH)
     fields = run.stdout.split()
-    return fields[1] if len(fields) >= 2 and fields[0] == "160000" else None
+    if not (len(fields) >= 2 and fields[0] == "160000"):
+        raise PinError(f"{root}: {GITLINK_PATH} is not a submodule gitlink in the index ({run.stdout.strip() or 'absent'}): "
+                       "the checkout records the pin as a gitlink at upstream's commit")
+    return fields[1]
+
+
+def _git_index(root: Path | str, *args: str) -> subprocess.CompletedProcess:
+    """git -C root ARGS on the checkout's index; PinError with git's own message when git cannot run it."""
+    try:
+        run = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise PinError("git is not installed (the checkout's gitlink is read with it)") from None
+    if run.returncode != 0:
+        why = (run.stderr.strip().splitlines() or ["no message"])[0]
+        raise PinError(f"git {args[0]} in {root} failed: {why}")
+    return run
 
 
 def check_gitlink(record: dict = RECORD, root: Path | str = paths.REPO_ROOT) -> None:
@@ -108,8 +122,7 @@ def check_gitlink(record: dict = RECORD, root: Path | str = paths.REPO_ROOT) -> 
 
 def set_gitlink(sha: str, root: Path | str = paths.REPO_ROOT) -> None:
     """Stage `sha` as the checkout's gitlink for vendor/ggml (the user commits it with the record)."""
-    subprocess.run(["git", "-C", str(root), "update-index", "--add", "--cacheinfo", f"160000,{sha},{GITLINK_PATH}"],
-                   check=True, capture_output=True)
+    _git_index(root, "update-index", "--add", "--cacheinfo", f"160000,{sha},{GITLINK_PATH}")
     protect_gitlink(root)
 
 
@@ -117,10 +130,13 @@ def protect_gitlink(root: Path | str = paths.REPO_ROOT) -> None:
     """Mark the checkout's vendor/ggml gitlink assume-unchanged (a flag of the local index, never committed):
     a vendor/ggml materialized from the sdist has another commit than upstream's, and `git commit -a` would
     record that commit as the gitlink (.gitmodules' `ignore = all` hides it from status, not from commit -a).
-    Nothing outside a git checkout."""
-    if gitlink(root) is not None:
-        subprocess.run(["git", "-C", str(root), "update-index", "--assume-unchanged", GITLINK_PATH],
-                       check=True, capture_output=True)
+    Nothing outside a git checkout. Best effort: where git cannot write the index (a lock, another owner) it
+    says so on stderr and goes on (the flag guards against a mistake that `patches check` also catches)."""
+    try:
+        if gitlink(root) is not None:
+            _git_index(root, "update-index", "--assume-unchanged", GITLINK_PATH)
+    except PinError as exc:
+        print(f"hotggml: warning: vendor/ggml's gitlink is not protected from `git commit -a`: {exc}", file=sys.stderr)
 
 
 def pin_commit(path: Path | str | None = None) -> str:

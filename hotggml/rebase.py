@@ -196,8 +196,12 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
                               patches.CONFIG_HEAD: gitutil.rev_parse(repo, "HEAD")})
     repo.close()
     pin_record.write(record)
-    if pin.gitlink() is not None:
-        pin.set_gitlink(record["upstream_commit"])  # staged beside the record: the user commits both
+    if pin.gitlink() is not None:  # staged beside the record: the user commits both
+        try:
+            pin.set_gitlink(record["upstream_commit"])
+        except PinError as exc:  # the state stays: `pin set --continue` finishes again
+            raise PinError(f"{exc}; the rebase is done and patches/ and hotggml/pin.json are written: fix that, "
+                           "then `hotggml pin set --continue` stages the gitlink") from None
     if record["source"]["kind"] != "commit":
         pin.fetch(force=True, record=record)
     shutil.rmtree(state_dir(), ignore_errors=True)

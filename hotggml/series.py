@@ -68,9 +68,23 @@ def series_hash(patches_dir: Path | str | None = None) -> str:
     return digest.hexdigest()
 
 
+def _patch_start(data: bytes) -> int:
+    """Offset of the first line that ends a mail's message, as git's mailinfo.c (patchbreak) decides: "diff -",
+    "Index: ", a "---" line with only whitespace after it, or "--- " before a file name; 0 where there is none
+    (the whole file counts)."""
+    at = 0
+    for line in data.splitlines(keepends=True):
+        if (line.startswith((b"diff -", b"Index: ")) or (line.startswith(b"---") and not line[3:].strip())
+                or (line.startswith(b"--- ") and len(line) > 4 and not line[4:5].isspace())):
+            return at
+        at += len(line)
+    return 0
+
+
 def code_hash(patches_dir: Path | str | None = None) -> str:
-    """Return the sha256 (hex) over what a build consumes of the series: each listed patch's diff (from its
-    first ``diff --git`` line on), in series order.
+    """Return the sha256 (hex) over what a build consumes of the series: each listed patch's diff part, in
+    series order, from the line where ``git am`` (which ``hotggml patches apply`` runs) ends the message
+    (_patch_start, git's mailinfo rule); the whole file where no line starts a patch.
 
     A patch's message and trailers (Patch-Name, Marker, Upstream-Status), its file name and the series file's
     comments are not part of it: editing them changes series_hash (the work repo re-applies) but not this,
@@ -84,8 +98,7 @@ def code_hash(patches_dir: Path | str | None = None) -> str:
         if not path.is_file():
             raise PatchError(f"{path}: listed in the series but there is no such file")
         data = path.read_bytes()
-        at = data.find(b"\ndiff --git ")
-        diff = data[at + 1:] if at >= 0 else b""
+        diff = data[_patch_start(data):]
         digest.update(f"\0{len(diff)}\0".encode())  # length-prefixed: moving bytes between patches changes it
         digest.update(diff)
     return digest.hexdigest()

@@ -285,7 +285,8 @@ def run(cfg: DemoConfig | None = None) -> DemoResult:
 def format_report(result: DemoResult, every: int) -> str:
     """The loss table (every `every` steps, and the last), the drift, the arenas and the bars."""
     cfg, f, c = result.config, result.arms["fused"], result.arms["chain"]
-    lines = [f"train-demo: reverse {cfg.length} of {cfg.symbols} symbols after a separator; 1 attention block, "
+    lines = [f"train-demo: reverse {cfg.length} of {cfg.symbols} symbols after a separator; {cfg.layers} attention "
+             f"block{'s' if cfg.layers > 1 else ''}, "
              f"Nh={cfg.heads} Nkv={cfg.kv_heads} D={cfg.head_dim} E={cfg.embed} S={cfg.seq} causal; batch "
              f"{cfg.batch} x opt_period {cfg.opt_period}, {cfg.steps} AdamW steps (ggml-opt) on {cfg.backend}"
              + (f", {cfg.threads} threads" if cfg.backend == "CPU" else ""),

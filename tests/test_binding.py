@@ -644,3 +644,21 @@ def test_set_refuses_what_the_leaf_cannot_take(cpu):
         g.build([y])
         g.compute()
         assert np.array_equal(g.read(y).reshape(2, 3), np.full((2, 3), 2, np.float32))
+
+
+def test_set_copies_and_refuses_what_is_not_an_array(cpu):
+    with Graph(cpu) as g:
+        x = g.input(np.zeros((2, 3), np.float32), "x")
+        h = g.input(np.zeros(3, np.float16), "h")
+        y = g.add(x, x)
+        a = np.ones((2, 3), np.float32)
+        g.set(x, a)
+        a[:] = 7  # after set(): the Graph holds its own copy
+        for bad in (None, y, np.ma.masked_array(np.ones((2, 3)), mask=[[0, 1, 0]] * 2)):
+            with pytest.raises(TypeError, match="NumPy array"):
+                g.set(x, bad)
+        with pytest.raises(ValueError, match="float16"):
+            g.set(h, np.array([1.0, 1e6, np.inf]))
+        g.build([y])
+        g.compute()
+        assert np.array_equal(g.read(y).reshape(2, 3), np.full((2, 3), 2, np.float32))

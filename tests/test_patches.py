@@ -284,3 +284,21 @@ def test_upstream_export_refuses_a_non_empty_folder(series_dir, tmp_path):
     with pytest.raises(PatchError, match="not empty"):
         patches.export_upstream(tmp_path / "up", patches_dir=series_dir)
     assert (tmp_path / "up" / "keep.txt").read_text() == "mine\n"
+
+
+def test_code_hash_follows_git_am_not_the_diff_header(tmp_path):
+    """The code hash starts where git am ends a patch's message: a plain unified diff (no `diff --git` line),
+    which git am applies, still counts, and a message edit does not."""
+    from hotggml import series
+
+    d = tmp_path / "p"
+    d.mkdir()
+    (d / "series").write_text("a.patch\n")
+    head = "From 0 Mon Sep 17 00:00:00 2001\nSubject: x\n\nWhy: a reason\n\nPatch-Name: a\n\n"
+    body = "--- a/f.c\n+++ b/f.c\n@@ -1 +1 @@\n-int x = 1;\n+int x = %d;\n"
+    (d / "a.patch").write_text(head + body % 2)
+    first = series.code_hash(d)
+    (d / "a.patch").write_text(head.replace("a reason", "another reason") + body % 2)
+    assert series.code_hash(d) == first
+    (d / "a.patch").write_text(head + body % 3)
+    assert series.code_hash(d) != first

@@ -220,3 +220,11 @@ def test_commit_all_keeps_the_gitlink(tmp_path):
     git("add", "README")
     subprocess.run(["git", "-C", str(root), *ident, "commit", "--quiet", "-am", "a commit -a"], check=True)
     assert git("ls-tree", "HEAD", "vendor/ggml").split()[2] == pin.UPSTREAM_COMMIT
+
+
+def test_a_checkout_git_cannot_read_is_an_error_not_a_pass(tmp_path):
+    """A .git that git refuses (here: not a repository at all) must not read as 'no gitlink, nothing to check'."""
+    root = tmp_path / "broken"
+    (root / ".git").mkdir(parents=True)
+    with pytest.raises(PinError, match="git ls-files"):
+        pin.check_gitlink(pin.RECORD, root)
