@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job in a clone made with core.autocrlf=true (the line endings a Windows checkout gets by default):
 # .gitattributes must keep every patch byte-exact and every script LF, so the clone's own main job passes.
-# Uses the pinned sdist this checkout cached (no second download), and its own state folder.
+# Uses the pinned sdist this checkout cached (no second download), its own state folder (the clone fetches,
+# checks and applies its own patches), and this checkout's builds: keyed by pin, code and options, the clone's
+# build is this checkout's one exactly when its patches came out byte-identical, else it builds its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -14,4 +16,4 @@ if grep -rlI $'\r' "$clone/repo/patches" "$clone/repo/ci" "$clone/repo/.ci" "$cl
 fi
 sdist=$(ls "$root"/.hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1 || true)
 cd "$clone/repo"
-HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} bash ci/main.sh
+HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} HOTGGML_BUILD_ROOT=$root/.hotggml/build bash ci/main.sh

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
-# wgmma path of the register kernels), and the training kernels of the series without its wgmma patch for sm_80
-# and sm_90, so a kernel or dispatch that does not compile fails the gate on a machine without a GPU. cuBLAS headers
+# wgmma path of the register kernels), the training kernels of the series without its wgmma patch for sm_80
+# and sm_90, and the device tools, so a kernel or dispatch that does not compile fails the gate on a machine
+# without a GPU (sm_80 and sm_90a with the release build's optimization, the rest at -O0: see jobs()). cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
 set -euo pipefail
@@ -31,40 +32,43 @@ shutil.rmtree(out, ignore_errors=True); tmp.rename(out)   # never a half-extract
 PY
     rm -rf "$tmp"
 fi
-# compile_tree TREE "ARCHS" SOURCE...: every (arch, source) of TREE, one job per pair, as many at a time as
-# there are cores (the register family's instances are the long ones)
-compile_tree() {
-    local root=$1 archs=$2 objs; shift 2
-    objs=$(mktemp -d)
-    for arch in $archs; do
-        for src in "$@"; do
-            echo "$arch $src"
-        done
-    done | xargs -P "$(nproc)" -L 1 sh -c 'echo "nvcc sm_$0 $1" && nvcc -c -std=c++17 -arch="sm_$0" -DNDEBUG -use_fast_math -extended-lambda \
-        -I"'"$root"'/include" -I"'"$root"'/src" -I"'"$root"'/src/ggml-cuda" -I"'"$inc"'" "'"$root"'/$1" -o "'"$objs"'/$(basename "$1" .cu)-sm_$0.o"' \
-        || return 1
-    rm -rf "$objs"
+# The compile jobs, one line each: TREE OPT ARCHS SOURCE (ARCHS comma-separated: one nvcc per source and
+# optimization level, every arch a -gencode of it, so the host side is compiled once). OPT "full" is the
+# release build's device code generation; "O0" turns NVVM's and ptxas' optimizers off: the front end,
+# every template instantiation and static_assert, and the PTX assembly are the same, in a third of the time.
+# The optimized arches are the two the kernels are built for (sm_80's mma.sync, sm_90a's wgmma); the others
+# prove the same sources compile for them.
+jobs() {
+    local src
+    for src in "${sources[@]}"; do echo "$tree full 80,90a $src"; done   # the long ones first: no idle core at the end
+    for src in "${sources[@]}"; do echo "$tree O0 90 $src"; done
+    for src in "${mma_sources[@]}"; do echo "$mma_tree O0 80,90 $src"; done
+    # the device tools that include the kernels (the wgmma probe, the kernel harness) follow their API
+    for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
 }
+# compile ROOT OPT ARCHS SOURCE: one job (run by xargs, as many at a time as there are cores)
+compile() {
+    local root=$1 opt=$2 archs=$3 src=$4 gencode=() arch flags=() file
+    [[ $src = /* ]] && file=$src || file=$root/$src
+    for arch in ${archs//,/ }; do gencode+=(-gencode "arch=compute_$arch,code=sm_$arch"); done
+    [ "$opt" = O0 ] && flags=(-Xcicc -O0 -Xptxas -O0)
+    echo "nvcc $opt sm_${archs//,/ sm_} ${src#$PWD/}"
+    nvcc -c -std=c++17 "${gencode[@]}" "${flags[@]}" -DNDEBUG -use_fast_math -extended-lambda \
+        -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc" "$file" -o /dev/null
+}
+export -f compile
+export inc
 # the .cu files under src/ggml-cuda that some patch of the series touches
 mapfile -t sources < <(sed -n 's|^diff --git a/\(src/ggml-cuda/[^ ]*\.cu\) .*|\1|p' $(sed 's|^|patches/|' patches/series) | sort -u)
 [ ${#sources[@]} -gt 0 ] || { echo "cuda-compile: no CUDA source in the series"; exit 1; }
-compile_tree "$tree" "80 90 90a" "${sources[@]}" || exit 1
 # the series without the sm_90a wgmma patch (the tree up to the commit before it, which carries the mma.sync
-# kernels alone, as upstream would review them): its training kernels for sm_80 and sm_90
+# kernels alone, as upstream would review them): its training kernels
 wgmma=$(git -C "$tree" log --format='%H %(trailers:key=Patch-Name,valueonly,separator=)' | awk '$2 == "flash-attn-train-cuda-wgmma" { print $1 }')
 [ -n "$wgmma" ] || { echo "cuda-compile: the series has no flash-attn-train-cuda-wgmma patch"; exit 1; }
 mma_tree=$(mktemp -d)
+trap 'rm -rf "$mma_tree"' EXIT
 git -C "$tree" archive "$wgmma^" include src | tar -x -C "$mma_tree"
 mapfile -t mma_sources < <(cd "$mma_tree" && ls src/ggml-cuda/fattn-train*.cu src/ggml-cuda/template-instances/fattn-train-instance-*.cu)
-compile_tree "$mma_tree" "80 90" "${mma_sources[@]}" || exit 1
-rm -rf "$mma_tree"
-# the device tools that include the kernels (the wgmma probe, the kernel harness): they must follow the kernels' API
-out=$(mktemp -d)
-for tool in tools/wgmma_probe.cu tools/fa_train_harness.cu; do
-    echo "nvcc sm_90a $tool"
-    nvcc -c -std=c++17 -arch=sm_90a -I"$tree/include" -I"$tree/src" -I"$tree/src/ggml-cuda" -I"$inc" "$tool" \
-        -o "$out/$(basename "$tool" .cu).o" || exit 1
-done
-rm -rf "$out"
-echo "cuda-compile: ok: ${sources[*]} for sm_80, sm_90 and sm_90a; without the wgmma patch, ${mma_sources[*]} for sm_80 and"
-echo "  sm_90; the device tools; in $((SECONDS - start)) s"
+jobs | xargs -P "$(nproc)" -L 1 bash -c 'compile "$@"' compile || exit 1
+echo "cuda-compile: ok: ${sources[*]} for sm_80 and sm_90a (and sm_90 at -O0); without the wgmma patch,"
+echo "  ${mma_sources[*]} for sm_80 and sm_90 at -O0; the device tools; in $((SECONDS - start)) s"

@@ -18,11 +18,26 @@ import hotggml, hotggml.ffi as ffi
 from hotggml import cases, parity
 lib_dir = ffi.find_lib_dir()
 assert lib_dir == ffi._package_lib_dir(), f"installed package loaded {lib_dir}, not its own lib/"
-res = parity.run_case(cases.SMOKE[5], "CPU", threads=[1, 2])
-print(f"wheel: {hotggml.__file__}: libraries {lib_dir}, stamp {ffi.library_info()['series_hash'][:12]}, "
+res = parity.run_case(cases.SMOKE[5], "CPU", threads=[1, 2])   # 2 threads: the CPU backend's own call, by proc address
+info = ffi.library_info()
+print(f"wheel: {hotggml.__file__}: libraries {lib_dir}, stamp {info['series_hash'][:12]}, "
       f"{res.case} {'PASS' if res.passed else 'FAIL ' + '; '.join(res.failures)}")
 if not res.passed:
     raise SystemExit(1)
+# portable (HOTGGML_PORTABLE): the CPU backend in ggml's per-CPU variants, one of them loaded by the registry
+import json
+record = json.loads((lib_dir / "hotggml-build.json").read_text())
+variants = sorted(p.name for p in lib_dir.glob("libggml-cpu-*.so"))
+assert record["backend_dl"] and not record["native"] and len(variants) > 1, (record, variants)
+assert info["cpu_backend"] in variants, info
+from hotggml import rpc                                         # RPC's own call, by proc address
+from hotggml.errors import BackendError
+try:
+    rpc.add_server("127.0.0.1:1")
+    raise SystemExit("an RPC server answered on port 1")
+except BackendError as e:
+    assert "no RPC server answered" in str(e), e
+print(f"wheel: portable: {len(variants)} CPU variants, this CPU loads {info['cpu_backend']}; RPC reachable")
 
 # the installed command, from /: parity runs, a checkout-only command refuses by name, and nothing
 # under site-packages is created or changed (state goes to the user's cache folder)
@@ -41,6 +56,23 @@ after = snapshot()
 assert after == before, f"site-packages changed: {sorted(set(after) ^ set(before))[:5]}"
 print(f"wheel: from /, `hotggml parity` passes, `hotggml fetch` refuses by name, site-packages unchanged ({len(after)} files)")
 PY
+
+# the same wheel on an x86-64 CPU without this machine's extensions: the whole interpreter under qemu-user
+# emulating a Sandy Bridge (AVX; no AVX2, FMA, F16C or AVX-512), where ggml's registry must pick a variant it can
+# run (NumPy's wheel needs at least that CPU; its OpenBLAS is told the core qemu emulates, which its own CPU
+# detection misreads under qemu)
+if command -v qemu-x86_64 > /dev/null && [ "$(uname -m)" = x86_64 ]; then
+    cd / && env -u PYTHONPATH OPENBLAS_CORETYPE=Sandybridge qemu-x86_64 -cpu SandyBridge "$out/venv/bin/python" - <<'PY' 2>&1 | grep -v "TCG doesn't support"
+from hotggml import cases, ffi, parity
+results = [parity.run_case(case, "CPU", threads=[1, 2]) for case in cases.SMOKE]
+failed = [r.case for r in results if not r.passed]
+variant = ffi.library_info()["cpu_backend"]
+print(f"wheel: under qemu-x86_64 -cpu SandyBridge: {variant}, parity smoke {len(results) - len(failed)}/{len(results)} pass")
+raise SystemExit(0 if not failed and variant in ("libggml-cpu-sandybridge.so", "libggml-cpu-sse42.so", "libggml-cpu-x64.so") else 1)
+PY
+else
+    echo "wheel: SKIPPED the other-CPU run: no qemu-x86_64 on PATH (the apt package qemu-user)"
+fi
 
 # an editable install (`pip install -e .`) of the same clone loads the libraries it installed, from / too
 python -m venv "$out/venv-e"

@@ -70,7 +70,9 @@ def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, s
     raises BuildError for another backend name."""
     if backend not in BACKENDS:
         raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    defines = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON"}
+    # RPC is part of every build: hotggml.rpc needs it, and ggml-rpc.h's own GGML_OP_COUNT check only
+    # compiles with it, so one build proves every op-count check and serves the binding and the tests
+    defines = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON", "GGML_RPC": "ON"}
     defines.update(_BACKEND_DEFINES[backend])
     if backend == "cuda":
         defines["CMAKE_CUDA_ARCHITECTURES"] = cuda_arch or default_cuda_arch()
@@ -209,8 +211,8 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     prep = prepare.prepare()
     bdir = build_dir_for(backend, prep.pin, prep.series_hash, defines)
     info = BuildInfo(backend, bdir, bdir / "lib", prep.pin, prep.series_hash, rebuilt=False)
-    # the binding loads the plain build of a backend; builds with extra options (e.g. GGML_RPC=ON
-    # in the CI gate) are checked for building, not pointed at
+    # the binding loads the plain build of a backend; builds with extra options (e.g. GGML_CPU_HBM=ON)
+    # are checked for building, not pointed at
     point = not extra_defines
     with paths.lock(bdir, f"the build in {bdir}"):  # a second build waits, then finds this one complete
         _end_stale_group(bdir)
@@ -259,8 +261,8 @@ def build_with_tests(backend: str = "cpu", jobs: int | None = None, cuda_arch: s
 def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None = None,
                 extra_defines: dict[str, str] | None = None, tests: bool = True) -> TestBuild:
     """The pristine pin (vendor/ggml, verified by ``pin.fetch``) built as upstream builds it, with its
-    tests (unless ``tests`` is False): the floor the patched tree is compared against, or a stock peer
-    (``extra_defines={"GGML_RPC": "ON"}``). Keyed by pin + options; reused when complete.
+    tests (unless ``tests`` is False): the floor the patched tree is compared against, or a stock RPC peer
+    (``tests=False``). Keyed by pin + options; reused when complete.
 
     Raises PinError when the pin cannot be materialized, BuildError when CMake fails.
     """

@@ -275,7 +275,7 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cuda-arch", default=None,
                         help="CMAKE_CUDA_ARCHITECTURES (default: 90a where every GPU is compute capability 9.0, else native)")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra CMake option, e.g. -D GGML_RPC=ON (part of the build key; such builds "
+                        help="extra CMake option, e.g. -D GGML_CPU_HBM=ON (part of the build key; such builds "
                              "are checked to build, the tools keep loading the plain build)")
     parser.add_argument("--tests", action="store_true",
                         help="also build ggml's tests: ctest in <build>/ggml, test-backend-ops in <build>/lib")

@@ -1,9 +1,11 @@
 """The CPU features a native build compiles for (ggml's GGML_NATIVE: -march=native), so that a build
-folder is never reused, and a wheel never loaded, on a CPU that lacks one of them (SIGILL otherwise).
+folder is never reused, and a library never loaded, on a CPU that lacks one of them (SIGILL otherwise).
 
-We choose refusal over ggml's per-CPU variants (GGML_BACKEND_DL compiles the CPU backend about ten
-times): a native build records the instruction-set flags of the machine it was built on; the build
-key includes them, and the binding compares them with the running CPU when it loads the library.
+Two kinds of build: ``hotggml build`` compiles the CPU backend once, natively (the fastest code for the
+machine that builds and runs it); it records the instruction-set flags of that machine, the build key
+includes them, and the binding compares them with the running CPU when it loads the library. The wheel
+(``HOTGGML_PORTABLE``, CMakeLists.txt) compiles ggml's per-CPU variants instead, and ggml's registry loads
+the best one the running CPU supports: nothing to refuse there (its record says ``native: false``).
 """
 
 from __future__ import annotations

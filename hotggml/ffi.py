@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +30,7 @@ const char * hotggml_struct_layout_names(void);
 const size_t * hotggml_struct_layout(void);
 const char * hotggml_rpc_proto_version(void);
 typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
+typedef ggml_backend_reg_t (*ggml_backend_rpc_add_server_t)(const char * endpoint);
 bool ggml_op_can_inplace(enum ggml_op op);  /* ggml-impl.h (exported): ops whose result may take a source's memory */
 """
 
@@ -139,10 +141,13 @@ def load():
     lib_dir = find_lib_dir()
     path = lib_dir / _lib_file_name()
     _declare(lib_dir)
+    backend_dl = _build_record(lib_dir).get("backend_dl", False)
     try:
-        _preload_dependencies(lib_dir)
+        _preload_dependencies(lib_dir, backend_dl)
         lib = ffi.dlopen(str(path))
         stamp = ffi.string(lib.hotggml_build_stamp()).decode()
+        if backend_dl:  # the backends are modules: the registry loads them (the best CPU variant for this CPU)
+            _load_backends(lib, lib_dir)
     except (OSError, AttributeError) as exc:
         raise LibraryError(_shadowed_message(lib_dir) or
                            f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
@@ -164,14 +169,42 @@ def load():
 _PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process
 
 
-def _preload_dependencies(lib_dir: Path) -> None:
+def _load_backends(lib, lib_dir: Path) -> None:
+    """ggml_backend_load_all_from_path(lib_dir), without its line per loaded module on stderr: ggml's INFO
+    messages are dropped while it runs, its warnings and errors (and their continuation lines) pass."""
+    passing = [False]
+
+    @ffi.callback("void(enum ggml_log_level, const char *, void *)")
+    def warnings_only(level, text, user_data):
+        if level != lib.GGML_LOG_LEVEL_CONT:
+            passing[0] = level >= lib.GGML_LOG_LEVEL_WARN
+        if passing[0]:
+            sys.stderr.write(ffi.string(text).decode(errors="replace"))
+
+    lib.ggml_log_set(warnings_only, ffi.NULL)
+    try:
+        lib.ggml_backend_load_all_from_path(str(lib_dir).encode())
+    finally:
+        lib.ggml_log_set(ffi.NULL, ffi.NULL)  # ggml's default logger again
+
+
+def _build_record(lib_dir: Path) -> dict:
+    """The build's record beside its libraries (hotggml-build.json, written by CMakeLists.txt); {} if none."""
+    record_file = lib_dir / "hotggml-build.json"
+    return json.loads(record_file.read_text()) if record_file.is_file() else {}
+
+
+def _preload_dependencies(lib_dir: Path, backend_dl: bool = False) -> None:
     """dlopen lib_dir's other libggml*.so by absolute path, libggml-base first. The dynamic linker then
     resolves libggml.so's DT_NEEDED entries to these (a loaded object is matched by its soname) instead of
-    searching LD_LIBRARY_PATH, which takes precedence over the RUNPATH ($ORIGIN) the build links with."""
+    searching LD_LIBRARY_PATH, which takes precedence over the RUNPATH ($ORIGIN) the build links with.
+    With ``backend_dl`` libggml-base alone: the backends are modules for ggml's registry to load, and a CPU
+    variant this CPU cannot run must never be mapped (its initializers may use the instructions it lacks)."""
     if os.name != "posix":
         return
     suffix = Path(_lib_file_name()).suffix
-    deps = sorted((p for p in lib_dir.glob(f"libggml*{suffix}") if p.name != _lib_file_name()),
+    deps = sorted((p for p in lib_dir.glob(f"libggml*{suffix}") if p.name != _lib_file_name()
+                   and (not backend_dl or p.name == f"libggml-base{suffix}")),
                   key=lambda p: (p.name != f"libggml-base{suffix}", p.name))
     for dep in deps:
         _PRELOADED.append(ffi.dlopen(str(dep)))
@@ -234,11 +267,8 @@ def check_cpu(lib_dir: Path) -> None:
     instruction-set flags this one lacks (it would die of SIGILL); says how to get a library for this CPU."""
     from hotggml import cpu
 
-    record_file = lib_dir / "hotggml-build.json"
-    if not record_file.is_file():
-        return
-    record = json.loads(record_file.read_text())
-    if not record.get("native"):
+    record = _build_record(lib_dir)
+    if not record.get("native"):  # a portable build: ggml's registry picks a CPU variant this CPU runs
         return
     built_for = [f for f in str(record.get("cpu_flags", "")).split(",") if f]
     lacking = cpu.missing(built_for)
@@ -249,9 +279,22 @@ def check_cpu(lib_dir: Path) -> None:
                            f"CPU ({cpu.isa_flags()[0]}) lacks: it would stop on an illegal instruction; {how}")
 
 
+def backend_proc(reg, name: str, ctype: str):
+    """Function ``name`` of a backend's registry entry ``reg`` (ggml_backend_reg_get_proc_address), cast to
+    the cffi function type ``ctype``, or None where the backend has none. The way to reach a backend's own
+    calls (CPU threads, RPC servers, the CUDA kernel report): with GGML_BACKEND_DL they live in modules the
+    binding never links, and the same call works for a build that links them."""
+    fn = load().ggml_backend_reg_get_proc_address(reg, name.encode())
+    return None if fn == ffi.NULL else ffi.cast(ctype, fn)
+
+
 def library_info() -> dict:
-    """Where the loaded library is and what it was built from (for reports)."""
+    """Where the loaded library is and what it was built from (for reports): pin, series_hash, lib_dir, and
+    cpu_backend, the CPU backend's file mapped in this process (in a portable build the variant ggml's
+    registry chose for this CPU, e.g. libggml-cpu-haswell.so; None where the process map is unknown)."""
     lib = load()
     info = parse_stamp(ffi.string(lib.hotggml_build_stamp()).decode())
     info["lib_dir"] = str(find_lib_dir())
+    cpu = [p.name for p in _mapped_ggml_libraries() if p.name.startswith("libggml-cpu")]
+    info["cpu_backend"] = cpu[0] if cpu else None
     return info

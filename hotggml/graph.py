@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hotggml.errors import BackendError, InputError, InputTypeError, OutOfMemoryError, UsageError
-from hotggml.ffi import ffi, load
+from hotggml.ffi import backend_proc, ffi, load
 
 GGML_MAX_DIMS = 4
 GGML_MAX_N_THREADS = 512  # ggml.h: a CPU thread pool holds at most this many threads
@@ -72,7 +72,11 @@ class Backend:
         if n_threads is not None:
             if self.device_name != "CPU":
                 raise InputError("n_threads applies to the CPU backend only")
-            lib.ggml_backend_cpu_set_n_threads(self._ptr, n_threads)
+            set_n_threads = backend_proc(lib.ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads",
+                                         "ggml_backend_set_n_threads_t")
+            if set_n_threads is None:
+                raise BackendError("this build's CPU backend does not export ggml_backend_set_n_threads")
+            set_n_threads(self._ptr, n_threads)
         self.n_threads = n_threads
 
     def supports_op(self, tensor: "Tensor") -> bool:
@@ -94,11 +98,10 @@ class Backend:
             return "none"
         if self.device_name == "CPU":
             return "f32-cpu"
-        reg = lib.ggml_backend_dev_backend_reg(self._dev)
-        fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_cuda_flash_attn_train_path")
-        if fn == ffi.NULL or not self.device_name.startswith("CUDA"):
+        path = backend_proc(lib.ggml_backend_dev_backend_reg(self._dev), "ggml_backend_cuda_flash_attn_train_path",
+                            "ggml_backend_cuda_fa_train_path_t")
+        if path is None or not self.device_name.startswith("CUDA"):
             raise BackendError(f"{self.device_name} does not report which flash_attn_train path it runs")
-        path = ffi.cast("ggml_backend_cuda_fa_train_path_t", fn)
         return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
 
     def fa_train_path(self, tensor: "Tensor") -> str:

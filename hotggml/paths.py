@@ -2,7 +2,7 @@
 
 The state folder (cached sdist, patched work tree, keyed builds) defaults to
 REPO_ROOT/.hotggml and moves with HOTGGML_STATE_DIR. The names STATE_DIR, CACHE_DIR,
-WORK_DIR and BUILD_ROOT are computed on every access (module __getattr__), so a
+WORK_DIR and BUILD_ROOT (which $HOTGGML_BUILD_ROOT moves on its own) are computed on every access (module __getattr__), so a
 change of the environment after import is honoured; prefer the functions in code
 that may run under a monkeypatched environment (tests).
 """
@@ -63,8 +63,16 @@ def work_dir() -> Path:
     return state_dir() / "work"
 
 
+BUILD_ROOT_ENV = "HOTGGML_BUILD_ROOT"
+
+
 def build_root() -> Path:
-    """Return the folder under which builds keyed by pin + series hash live."""
+    """Return the folder under which builds keyed by pin + series hash live: $HOTGGML_BUILD_ROOT, else
+    <state>/build. Checkouts that share one (CI's autocrlf clone and its parent) share every build whose key
+    matches: same pin, same code in the series, same options and recipe."""
+    override = os.environ.get(BUILD_ROOT_ENV)
+    if override:
+        return Path(override).expanduser().resolve()
     return state_dir() / "build"
 
 

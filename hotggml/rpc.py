@@ -3,7 +3,7 @@
 The fork's op enum differs from upstream's (the training ops are appended), so its RPC protocol has a major of
 its own (patch rpc-fork-major: 128 + upstream's, one byte on the wire) and ggml's handshake refuses a stock peer, either way round:
 ``ggml_backend_rpc_add_server`` returns NULL after logging the server's version. Needs a build with
-``GGML_RPC=ON`` (``hotggml build --backend cpu --define GGML_RPC=ON``).
+``GGML_RPC=ON``, which every ``hotggml build`` and the wheel are.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from hotggml.errors import BackendError, InputError, InputTypeError
-from hotggml.ffi import ffi, load
+from hotggml.ffi import backend_proc, ffi, load
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
@@ -33,10 +33,11 @@ def add_server(endpoint: str) -> int:
     if not _ENDPOINT.match(endpoint):
         raise InputError(f"endpoint must be 'host:port', got {endpoint!r}")
     lib = load()
-    try:
-        add = lib.ggml_backend_rpc_add_server
-    except AttributeError:
-        raise BackendError("this build has no RPC: `hotggml build --backend cpu --define GGML_RPC=ON`") from None
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    add = None if reg == ffi.NULL else backend_proc(reg, "ggml_backend_rpc_add_server", "ggml_backend_rpc_add_server_t")
+    if add is None:
+        raise BackendError("this library was built without RPC (GGML_RPC=OFF): rebuild it with `hotggml build`, "
+                           "which turns it on")
     said: list[str] = []
 
     @ffi.callback("void(enum ggml_log_level, const char *, void *)")
@@ -45,12 +46,12 @@ def add_server(endpoint: str) -> int:
 
     lib.ggml_log_set(collect, ffi.NULL)
     try:
-        reg = add(endpoint.encode())
+        server = add(endpoint.encode())
     finally:
         lib.ggml_log_set(ffi.NULL, ffi.NULL)  # ggml's default logger again
-    if reg == ffi.NULL:
+    if server == ffi.NULL:
         peer = next((m.group(1) for line in said if (m := re.search(r"version mismatch: (\d+\.\d+\.\d+)", line))), None)
         why = (f"the server speaks RPC {peer} and this ggml {proto_version()}: a peer of another build (stock ggml, "
                "or another fork) has other op ids" if peer else f"no RPC server answered ({''.join(said).strip()})")
         raise BackendError(f"RPC server {endpoint} refused: {why}")
-    return int(lib.ggml_backend_reg_dev_count(reg))
+    return int(lib.ggml_backend_reg_dev_count(server))

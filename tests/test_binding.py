@@ -192,6 +192,32 @@ def test_n_threads_validation(lib):
         Backend("CPU", n_threads=0)
 
 
+def test_backend_calls_come_through_the_registry(lib):
+    """The CPU backend's thread count and RPC's add_server are reached through their registry entries (the
+    only way into a GGML_BACKEND_DL module), so the same binding drives a linked and a portable build."""
+    cpu_reg = lib.ggml_backend_dev_backend_reg(lib.ggml_backend_dev_by_name(b"CPU"))
+    assert hffi.backend_proc(cpu_reg, "ggml_backend_set_n_threads", "ggml_backend_set_n_threads_t") is not None
+    assert hffi.backend_proc(cpu_reg, "ggml_backend_no_such_call", "ggml_backend_set_n_threads_t") is None
+    rpc_reg = lib.ggml_backend_reg_by_name(b"RPC")  # every build has RPC
+    assert rpc_reg != hffi.ffi.NULL
+    assert hffi.backend_proc(rpc_reg, "ggml_backend_rpc_add_server", "ggml_backend_rpc_add_server_t") is not None
+
+
+def test_a_portable_build_maps_no_cpu_variant_before_the_registry_chooses(lib, tmp_path, monkeypatch):
+    """With GGML_BACKEND_DL the binding preloads libggml-base alone: a CPU variant this CPU cannot run must
+    never be mapped (here a file that is no library at all: opening it would raise)."""
+    real = hffi.find_lib_dir()
+    (tmp_path / "libggml-base.so").symlink_to(real / "libggml-base.so")
+    (tmp_path / "libggml-cpu-future.so").write_bytes(b"not an ELF file")
+    opened = []
+    monkeypatch.setattr(hffi.ffi, "dlopen", lambda path: opened.append(path))
+    hffi._preload_dependencies(tmp_path, backend_dl=True)
+    assert opened == [str(tmp_path / "libggml-base.so")]
+    opened.clear()
+    hffi._preload_dependencies(tmp_path, backend_dl=False)  # a linked build: every library beside libggml
+    assert opened == [str(tmp_path / "libggml-base.so"), str(tmp_path / "libggml-cpu-future.so")]
+
+
 # -- gradients, round trips --------------------------------------------------------------------
 
 def test_grad_of_permuted_param_in_logical_shape(cpu):

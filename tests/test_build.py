@@ -54,6 +54,15 @@ def test_build_key_changes_with_recipe(monkeypatch):
     assert build.build_key(PIN, "a" * 64, d) != base
 
 
+def test_build_root_moves_with_its_own_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOTGGML_BUILD_ROOT", raising=False)
+    assert paths.build_root() == paths.state_dir() / "build"
+    monkeypatch.setenv("HOTGGML_BUILD_ROOT", str(tmp_path / "shared"))
+    assert paths.build_root() == tmp_path / "shared"
+    assert paths.state_dir() != tmp_path  # the state folder (work tree, cache) stays where it was
+    assert build.build_dir_for("cpu", PIN, "a" * 64, build.cmake_defines("cpu")).parent == tmp_path / "shared"
+
+
 def test_build_dir_for():
     d = build.cmake_defines("cpu")
     bdir = build.build_dir_for("cpu", PIN, "a" * 64, d)
@@ -66,6 +75,7 @@ def test_cmake_defines(monkeypatch):
     monkeypatch.setattr(build, "gpu_compute_caps", lambda: [])  # no GPU visible: CMake's own detection
     cpu = build.cmake_defines("cpu")
     assert cpu["CMAKE_BUILD_TYPE"] == "Release"
+    assert cpu["GGML_RPC"] == "ON"              # one build serves hotggml.rpc and ggml-rpc.h's op-count check
     assert "GGML_CUDA" not in cpu
     cuda = build.cmake_defines("cuda")
     assert cuda["GGML_CUDA"] == "ON"

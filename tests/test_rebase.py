@@ -91,6 +91,7 @@ def _snapshot(repo: Path, state: Path) -> dict:
     }
 
 
+@pytest.mark.slow  # builds the rebased tree
 def test_a_clean_rebase_moves_the_pin_and_the_new_pin_passes_parity(tmp_path, sdist):
     repo, env = _clone(tmp_path, sdist)
     old = json.loads((repo / "hotggml" / "pin.json").read_text())

@@ -59,12 +59,12 @@ def _libraries(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fork_lib() -> Path:
-    return build.build("cpu", extra_defines={"GGML_RPC": "ON"}).lib_dir
+    return build.build("cpu").lib_dir  # every build has RPC
 
 
 @pytest.fixture(scope="module")
 def stock_libs() -> list[str]:
-    return _libraries(build.build_stock("cpu", extra_defines={"GGML_RPC": "ON"}, tests=False).ctest_dir)
+    return _libraries(build.build_stock("cpu", tests=False).ctest_dir)
 
 
 def _free_port() -> int:
@@ -111,6 +111,7 @@ def test_two_builds_of_the_fork_shake_hands(fork_lib):
     assert "version 132." in run.stdout and "devices 1" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
+@pytest.mark.slow  # builds the stock pin with RPC
 def test_a_fork_client_refuses_a_stock_server_naming_both_versions(fork_lib, stock_libs):
     with _Server(stock_libs) as server:
         run = _fork_client(fork_lib, server.endpoint)
@@ -119,6 +120,7 @@ def test_a_fork_client_refuses_a_stock_server_naming_both_versions(fork_lib, sto
     assert "and this ggml 132." in run.stdout
 
 
+@pytest.mark.slow  # builds the stock pin with RPC
 def test_a_stock_client_refuses_a_fork_server(fork_lib, stock_libs):
     with _Server(_libraries(fork_lib)) as server:
         run = subprocess.run([sys.executable, "-c", STOCK_CLIENT, server.endpoint, *stock_libs],
