@@ -2,7 +2,7 @@
 # Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
 # wgmma path of the register kernels), the training kernels of the series without its wgmma patch for sm_80
 # and sm_90, and the device tools, so a kernel or dispatch that does not compile fails the gate on a machine
-# without a GPU (sm_80 and sm_90a with the release build's optimization, the rest at -O0: see jobs()). cuBLAS headers
+# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 at -O0: see jobs()). cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
 set -euo pipefail
@@ -36,12 +36,12 @@ fi
 # optimization level, every arch a -gencode of it, so the host side is compiled once). OPT "full" is the
 # release build's device code generation; "O0" turns NVVM's and ptxas' optimizers off: the front end,
 # every template instantiation and static_assert, and the PTX assembly are the same, in a third of the time.
-# The optimized arches are the two the kernels are built for (sm_80's mma.sync, sm_90a's wgmma); the others
-# prove the same sources compile for them.
+# sm_90a (the wgmma path, whose products ptxas schedules) is compiled as the release build does; sm_80 and sm_90
+# (the mma.sync path, in both trees) at -O0.
 jobs() {
     local src
-    for src in "${sources[@]}"; do echo "$tree full 80,90a $src"; done   # the long ones first: no idle core at the end
-    for src in "${sources[@]}"; do echo "$tree O0 90 $src"; done
+    for src in "${sources[@]}"; do echo "$tree full 90a $src"; done   # the long ones first: no idle core at the end
+    for src in "${sources[@]}"; do echo "$tree O0 80,90 $src"; done
     for src in "${mma_sources[@]}"; do echo "$mma_tree O0 80,90 $src"; done
     # the device tools that include the kernels (the wgmma probe, the kernel harness) follow their API
     for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
@@ -70,5 +70,5 @@ trap 'rm -rf "$mma_tree"' EXIT
 git -C "$tree" archive "$wgmma^" include src | tar -x -C "$mma_tree"
 mapfile -t mma_sources < <(cd "$mma_tree" && ls src/ggml-cuda/fattn-train*.cu src/ggml-cuda/template-instances/fattn-train-instance-*.cu)
 jobs | xargs -P "$(nproc)" -L 1 bash -c 'compile "$@"' compile || exit 1
-echo "cuda-compile: ok: ${sources[*]} for sm_80 and sm_90a (and sm_90 at -O0); without the wgmma patch,"
+echo "cuda-compile: ok: ${sources[*]} for sm_90a (and sm_80, sm_90 at -O0); without the wgmma patch,"
 echo "  ${mma_sources[*]} for sm_80 and sm_90 at -O0; the device tools; in $((SECONDS - start)) s"

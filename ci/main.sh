@@ -13,7 +13,7 @@ step fetch          hotggml fetch
 step patches-check  hotggml patches check   # LF, names, applies onto a pristine pin, markers, canonical export
 step patches-apply  hotggml patches apply
 step cpu-build      hotggml build --backend cpu   # with GGML_RPC=ON: every GGML_OP_COUNT check compiles (ggml-rpc.h has one)
-step parity         hotggml parity --backend cpu --set smoke --set real --threads 1,2 --json .hotggml/reports/parity-cpu.json
+step parity         hotggml parity --backend cpu --set smoke --set real --set types --threads 1,2 --json .hotggml/reports/parity-cpu.json
 step memory         hotggml memory --backend cpu
 step bench          hotggml bench --backend cpu --case dit-self-full-1250 --runs 5
 step probe          hotggml probe --backend cpu

@@ -57,6 +57,24 @@ assert after == before, f"site-packages changed: {sorted(set(after) ^ set(before
 print(f"wheel: from /, `hotggml parity` passes, `hotggml fetch` refuses by name, site-packages unchanged ({len(after)} files)")
 PY
 
+# the README's Python example in that venv, which holds the wheel and what it declares (cffi, NumPy) only: it
+# runs from / and imports nothing of the tooling (GitPython, the build, the patch modules)
+python - "$out/venv" "$out/src/README.md" <<'PY'
+import pathlib, re, subprocess, sys
+venv = pathlib.Path(sys.argv[1])
+have = subprocess.run([str(venv / "bin/python"), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+                      capture_output=True, text=True, check=True).stdout.lower().split()
+names = sorted(n for n in (line.split("==")[0] for line in have) if n not in ("pip", "setuptools", "wheel"))  # venv's own
+assert names == ["cffi", "hotggml", "numpy", "pycparser"], names
+example = re.findall(r"```python\n(.*?)```", pathlib.Path(sys.argv[2]).read_text(), re.S)[0]
+probe = example + "\nimport sys\nprint('tooling imported:', sorted(m for m in sys.modules if m in ('git', 'hotggml.build', 'hotggml.patches', 'hotggml.gitutil')))\n"
+run = subprocess.run([str(venv / "bin/python"), "-c", probe], capture_output=True, text=True, cwd="/",
+                     env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+assert run.returncode == 0 and "O and dQ match float64 NumPy" in run.stdout, run.stdout + run.stderr[-2000:]
+assert "tooling imported: []" in run.stdout, run.stdout
+print(f"wheel: the README example runs in a venv of {', '.join(names)}, importing none of the tooling")
+PY
+
 # the same wheel on an x86-64 CPU without this machine's extensions: the whole interpreter under qemu-user
 # emulating a Sandy Bridge (AVX; no AVX2, FMA, F16C or AVX-512), where ggml's registry must pick a variant it can
 # run (NumPy's wheel needs at least that CPU; its OpenBLAS is told the core qemu emulates, which its own CPU

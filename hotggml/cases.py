@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hotggml import kvcache
 from hotggml.errors import InputError
 
 MASKS = ("none", "causal", "band", "padding", "bias")
@@ -60,6 +62,8 @@ class Case:
     window: int | None = None
     seed: int = 0
     tags: tuple[str, ...] = field(default=())
+    k_type: str = "f32"  # K and V in a stored type (hotggml.kvcache.TYPES): a frozen cache, no dK / dV
+    v_type: str = "f32"
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -173,6 +177,10 @@ class Case:
             "do": rng.standard_normal((B, S, Nh, Dv), dtype=np.float32),
             "dlse": rng.standard_normal((B, S, Nh), dtype=np.float32) if self.lse_loss else None,
         }
+        # a cache in a stored type holds what ggml's converter makes of the values: every arm sees those
+        for name, kind in (("k", self.k_type), ("v", self.v_type)):
+            if kind != "f32":
+                out[name] = kvcache.stored(out[name], kind)
         if with_garbage and self.garbage:
             for b, j in zip(*np.nonzero(self.dead_keys())):
                 out["k"][b, :, j] = np.nan
@@ -258,7 +266,21 @@ FIELD = [
 # never fall back to the CPU
 LIMITS = [Case("d512-refused", Nh=2, Nkv=1, D=512, S=8, Skv=8)]
 
-SETS = {"smoke": SMOKE, "real": REAL, "field": FIELD, "limits": LIMITS}
+# K and V in stored types (SPEC §4: a frozen cache read as it is stored, no dK / dV for it): every type pair
+# at GQA, S != Skv, Dv != D, key padding with NaN in the padded K/V rows and a q view; then the causal tail
+# with both q8_0, near-constant V in q8_0, and the register kernels' D with q8_0 K and f16 V
+_KV_TYPES = ("f32", "f16", "bf16", "q8_0")
+TYPES = [
+    *(Case(f"kv-{kt}-{vt}", B=2, Nh=4, Nkv=2, D=32, Dv=64, S=24, Skv=45, mask="padding", pad_keys=3, garbage=True,
+           q_view=True, k_type=kt, v_type=vt, seed=3)
+      for kt in _KV_TYPES for vt in _KV_TYPES if (kt, vt) != ("f32", "f32")),
+    Case("kv-q8_0-causal-tail", Nh=4, Nkv=2, D=64, S=13, Skv=70, causal=True, k_type="q8_0", v_type="q8_0"),
+    Case("kv-q8_0-near-constant-v", Nh=2, Nkv=1, D=32, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, k_type="q8_0",
+         v_type="q8_0", tags=("cancel",)),
+    Case("kv-q8_0-f16-d128", Nh=8, Nkv=2, D=128, S=40, Skv=100, mask="causal", k_type="q8_0", v_type="f16"),
+]
+
+SETS = {"smoke": SMOKE, "real": REAL, "types": TYPES, "field": FIELD, "limits": LIMITS}
 
 
 def select(set_names: list[str], pattern: str | None = None) -> list[Case]:

@@ -314,8 +314,9 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
     parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
     parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
-    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "limits", "field"),
-                        help="case set (repeatable; default smoke; field holds the long-context chunk)")
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "limits", "field"),
+                        help="case set (repeatable; default smoke; types: K/V in stored types; field holds the "
+                             "long-context chunk)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--threads", type=_threads, default=None, help="CPU thread counts, e.g. 1,2 (bitwise check)")
     parser.add_argument("--prec", choices=("default", "f32"), default="f32",
@@ -539,7 +540,7 @@ def add_probe_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `probe --backend NAME [--set field] [-p REGEX] [--prec default|f32]`."""
     parser = subparsers.add_parser("probe", help="does the device's supports_op take the fused nodes at real shapes")
     parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
-    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field", "limits"),
+    parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "field", "limits"),
                         help="case set (repeatable; default field: every SPEC §7 geometry)")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids")
     parser.add_argument("--prec", choices=("default", "f32"), default="default",

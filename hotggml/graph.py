@@ -181,7 +181,17 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype:
-        return _NP_TYPES[int(self.ptr.type)]
+        """The NumPy dtype of the values (float32, float16, int32); InputTypeError for a stored K/V type
+        (bf16, q8_0: hotggml.kvcache decodes its bytes)."""
+        ggml_type = int(self.ptr.type)
+        if ggml_type not in _NP_TYPES:
+            raise InputTypeError(f"a {self.type_name} tensor has no NumPy dtype: hotggml.kvcache decodes its bytes")
+        return _NP_TYPES[ggml_type]
+
+    @property
+    def type_name(self) -> str:
+        """ggml's name of the tensor's type: 'f32', 'f16', 'bf16', 'q8_0', 'i32', ..."""
+        return ffi.string(load().ggml_type_name(self.ptr.type)).decode()
 
     @property
     def op(self) -> int:
@@ -308,6 +318,45 @@ class Graph:
         self._pending.append((t, np.ascontiguousarray(array, dtype=dtype)))
         return t
 
+    def cache(self, array: np.ndarray, type_name: str, name: str | None = None) -> Tensor:
+        """A K or V leaf stored as ``type_name`` ('f32', 'f16', 'bf16' or 'q8_0', hotggml.kvcache.TYPES): a
+        frozen cache the training ops read in that type, taking no gradient. ``array`` holds float values in
+        NumPy order (ggml's ne reversed, rows on the last axis: whole 32-value blocks for q8_0), converted by
+        ggml's own converters (hotggml.kvcache.encode); ``kvcache.stored(array, type_name)`` is what it then
+        holds. Raises InputTypeError / InputError for a type or an array the cache cannot take, UsageError
+        after build()."""
+        from hotggml import kvcache
+
+        array = np.asarray(array)
+        kvcache.check_type(type_name)
+        if array.dtype.kind not in "fiu" or not 1 <= array.ndim <= GGML_MAX_DIMS:
+            raise InputTypeError(f"cache {name or ''}: a real array of 1 to 4 axes, got {array.dtype} {array.shape}")
+        kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
+        if type_name == "f32":
+            return self.input(array.astype(np.float32), name)
+        if self.ctx is None:
+            raise UsageError("this Graph is closed")
+        if self.gf is not None:
+            raise UsageError("inputs must be created before build()")
+        if self._owner is not None:
+            raise UsageError(f"this Graph is trained by {self._owner}: its inputs were fixed when it took the Graph")
+        if len(self._leaves) >= self.MAX_INPUTS:
+            raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
+        raw = kvcache.encode(array, type_name)
+        if raw.nbytes > MAX_TENSOR_BYTES:
+            raise InputError(f"cache of shape {array.shape} is over {MAX_TENSOR_BYTES} bytes")
+        self._room(self.ctx_in)
+        ne = ggml_shape(array.shape)
+        ne_c = ffi.new("int64_t[4]", list(ne))
+        ptr = self.lib.ggml_new_tensor(self.ctx_in, getattr(self.lib, f"GGML_TYPE_{type_name.upper()}"), GGML_MAX_DIMS, ne_c)
+        if name:
+            self.lib.ggml_set_name(ptr, name.encode()[:63])
+        t = Tensor(self, ptr)
+        self.lib.ggml_set_input(t.ptr)
+        self._leaves.append(t)
+        self._pending.append((t, raw.reshape(-1)))
+        return t
+
     def param(self, array: np.ndarray, name: str | None = None) -> Tensor:
         """An f32 input that gets a gradient (ggml_set_param)."""
         t = self.input(np.asarray(array, dtype=np.float32), name)
@@ -341,6 +390,13 @@ class Graph:
             while len(shape) > 1 and shape[0] == 1:  # a leaf keeps no rank: its shape without the leading 1s
                 shape = shape[1:]
             raise InputError(f"set(): the leaf holds {shape} (NumPy order), got {array.shape}")
+        if t.type_name in ("bf16", "q8_0"):  # a cache (Graph.cache): stored by ggml's converters again
+            from hotggml import kvcache
+
+            if array.dtype.kind not in "fiu":
+                raise InputTypeError(f"set(): a {t.type_name} cache takes real values, got {array.dtype}")
+            self._set_bytes(t, kvcache.encode(array, t.type_name).reshape(-1))
+            return
         dtype = np.dtype(t.dtype)
         if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
             raise InputTypeError(f"set(): a {dtype} leaf cannot take {array.dtype} values")
@@ -348,7 +404,11 @@ class Graph:
             raise InputError(f"set(): values out of the {dtype} range")
         if dtype == np.float16 and array.dtype.kind == "f" and np.any(np.abs(array[np.isfinite(array)]) > np.finfo(np.float16).max):
             raise InputError("set(): finite values beyond float16's range (65504) would become inf")
-        data = np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change before compute
+        self._set_bytes(t, np.array(array, dtype=dtype, order="C", copy=True))  # the caller's array may change
+
+    def _set_bytes(self, t: Tensor, data: np.ndarray) -> None:
+        """Leaf t's new contents (data: its bytes in t's type, a private copy): uploaded with the other inputs
+        before build(), at once after it."""
         if any(leaf.ptr == t.ptr for leaf, _ in self._pending):  # before build(): uploaded with the others
             self._pending = [(leaf, data if leaf.ptr == t.ptr else arr) for leaf, arr in self._pending]
         else:

@@ -3,16 +3,18 @@
 Every check that ggml would make with GGML_ASSERT (which kills the interpreter) is made here
 first and raises ValueError (shapes) or TypeError (dtypes) naming the argument.
 
-Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B] (f32, any
-strides with nb[0] == 4), mask [Skv, S', 1, 1 or B] f16 contiguous with S' >= S, or None.
+Shapes in ggml order: q [D, S, Nh, B] f32, k [D, Skv, Nkv, B] and v [Dv, Skv, Nkv, B] each f32, f16,
+bf16 or q8_0 (a frozen cache in its stored type: Graph.cache; no gradient), any strides with the rows
+contiguous, mask [Skv, S', 1, 1 or B] f16 contiguous with S' >= S, or None.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from hotggml import kvcache
 from hotggml.ffi import ffi
-from hotggml.graph import Graph, Tensor
+from hotggml.graph import FLAG_PARAM, Graph, Tensor
 from hotggml.errors import InputError, InputTypeError
 
 PREC = {"default": 0, "f32": 10}  # enum ggml_prec: GGML_PREC_DEFAULT (TF32 on CUDA sm_80+), GGML_PREC_F32
@@ -21,11 +23,19 @@ PREC_NAME = {v: k for k, v in PREC.items()}
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
     """Raise TypeError/ValueError unless q, k, v, mask satisfy the op contract (SPEC §4)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != np.float32:
-            raise InputTypeError(f"{name} must be float32, got {t.dtype}")
-        if t.nb[0] != 4:
-            raise InputError(f"{name} rows must be contiguous (nb[0] == 4), got nb {t.nb}")
+    if q.type_name != "f32":
+        raise InputTypeError(f"q must be float32, got {q.type_name}")
+    if q.nb[0] != 4:
+        raise InputError(f"q rows must be contiguous (nb[0] == 4), got nb {q.nb}")
+    for name, t in (("k", k), ("v", v)):
+        if t.type_name not in kvcache.TYPES:
+            raise InputTypeError(f"{name} must be one of {', '.join(kvcache.TYPES)} (a cache: Graph.cache), got {t.type_name}")
+        if t.type_name != "f32" and int(t.ptr.flags) & FLAG_PARAM:
+            raise InputTypeError(f"{name} is a {t.type_name} param: a K/V in a stored type is a frozen cache and takes "
+                                 "no gradient; make it f32 to train it")
+        kvcache.check_row(t.type_name, t.ne[0], f"{name}: a row")
+        if t.nb[0] != kvcache.row_bytes(t.type_name, kvcache.QK8_0 if t.type_name == "q8_0" else 1):
+            raise InputError(f"{name} rows must be contiguous in {t.type_name}, got nb {t.nb}")
     D, S, Nh, B = q.ne
     if k.ne[0] != D:
         raise InputError(f"k: D = {k.ne[0]} differs from q's D = {D}")
@@ -159,6 +169,10 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor, grads: str = "qkv") 
     g.own(fwd, d)
     _need_op(fwd, op_id("FLASH_ATTN_TRAIN"), "fwd")
     q, k, v, mask = (fwd.ptr.src[i] for i in range(4))
+    for letter, t in (("k", k), ("v", v)):
+        if letter in grads and t.type != g.lib.GGML_TYPE_F32:
+            kind = ffi.string(g.lib.ggml_type_name(t.type)).decode()
+            raise InputError(f"grads names {letter}, but {letter} is a {kind} cache: a K/V in a stored type takes no gradient")
     if d.dtype != np.float32 or not d.is_contiguous():
         raise InputTypeError("d must be contiguous float32")
     o_ne = (int(v.ne[0]), int(q.ne[2]), int(q.ne[1]), int(q.ne[3]))  # [Dv, Nh, S, B]
