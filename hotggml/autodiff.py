@@ -75,7 +75,8 @@ def refusals(roots) -> list[str]:
     for ptr in _post_order(roots):
         name = op_name(lib, ptr)
         op, _, sub = name.partition(" ")
-        src_needs = [src != ffi.NULL and needs[_key(src)] for src in ptr.src]
+        # a source that is the node itself (ggml_cast sets src[1] = the result) is no data input: no gradient
+        src_needs = [src != ffi.NULL and _key(src) != _key(ptr) and needs[_key(src)] for src in ptr.src]
         if int(ptr.flags) & FLAG_PARAM:
             needs[_key(ptr)] = True
         else:

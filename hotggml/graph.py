@@ -8,6 +8,7 @@ allocator (gallocr) in one arena, whose size is the compute memory the graph nee
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ class Backend:
 
     Raises BackendError when the name is not in the registry: a missing backend is a hard
     failure, never a silent CPU fallback. n_threads applies to the CPU backend only.
+
+    Threads: a Backend computes one graph at a time. ggml's backends are not reentrant (the CPU
+    backend's work buffer and thread pool are the backend's), so every compute on it (Graph.compute,
+    Graph.profile, Optimizer.step) holds the Backend's ``lock``: graphs on one Backend may be driven
+    from several Python threads and run one after another; for parallel work, one Backend per thread.
     """
 
     def __init__(self, device_name: str, n_threads: int | None = None):
@@ -78,6 +84,7 @@ class Backend:
                 raise BackendError("this build's CPU backend does not export ggml_backend_set_n_threads")
             set_n_threads(self._ptr, n_threads)
         self.n_threads = n_threads
+        self.lock = threading.RLock()  # held across every compute on this backend (see the class docstring)
 
     def supports_op(self, tensor: "Tensor") -> bool:
         """The device's own answer for this node at its real shapes and types."""
@@ -222,6 +229,37 @@ def walk(roots) -> tuple[list, list]:
     return nodes, leafs
 
 
+# The operand types each op method takes (ggml type names), as tuples of its operands: what ggml's kernels run
+# on every backend the binding drives, not what supports_op answers (the CPU says yes to add(i32, i32) and then
+# aborts). Ops that only move bytes (cont, repeat, reshape, permute) take every type input() makes.
+OP_TYPES = {
+    "add":          {("f32", "f32"), ("f16", "f16"), ("f16", "f32")},  # the result has a's type
+    "mul":          {("f32", "f32"), ("f16", "f16"), ("f16", "f32")},
+    "sum":          {("f32",), ("f16",)},
+    "mul_mat":      {("f32", "f32"), ("f16", "f32")},                  # b is f32 (ggml converts it for an f16 a)
+    "soft_max_ext": {("f32",)},                                        # its mask: f16 or f32 (checked there)
+}
+
+
+def check_op_types(op: str, *tensors: "Tensor") -> None:
+    """Raise InputTypeError unless the operands' types are a combination OP_TYPES lists for op."""
+    got = tuple(t.type_name for t in tensors)
+    if got not in OP_TYPES[op]:
+        takes = ", ".join("(" + ", ".join(c) + ")" for c in sorted(OP_TYPES[op]))
+        raise InputTypeError(f"{op} takes operand types {takes}, got ({', '.join(got)})")
+
+
+def check_attention_mask_values(values: np.ndarray, what: str = "mask") -> None:
+    """Raise InputError unless an additive attention mask holds finite values or -INF only (SPEC §4): +INF
+    and NaN would turn rows, and every dK / dV, into NaN without an error."""
+    values = np.asarray(values, dtype=np.float32)
+    bad = np.isnan(values) | np.isposinf(values)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"{what}: an attention mask holds finite values or -inf only, got "
+                         f"{values[where]} at {where} (NumPy index)")
+
+
 def ggml_shape(array_shape: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy shape (slowest first) -> ggml ne (fastest first), padded with 1 to four dims."""
     if len(array_shape) > GGML_MAX_DIMS:
@@ -274,6 +312,7 @@ class Graph:
         self.gf = None
         self._leaves: list[Tensor] = []  # inputs and params, in order
         self._pending: list[tuple[Tensor, np.ndarray]] = []  # their data until build() uploads it
+        self.attention_masks: set = set()  # leaves used as a flash_attn_train mask: set() checks their values
         self._loss: Tensor | None = None
         self._computed = False
         self._placed = False
@@ -404,6 +443,8 @@ class Graph:
             raise InputError(f"set(): values out of the {dtype} range")
         if dtype == np.float16 and array.dtype.kind == "f" and np.any(np.abs(array[np.isfinite(array)]) > np.finfo(np.float16).max):
             raise InputError("set(): finite values beyond float16's range (65504) would become inf")
+        if t.ptr in self.attention_masks:
+            check_attention_mask_values(array, "set()")
         self._set_bytes(t, np.array(array, dtype=dtype, order="C", copy=True))  # the caller's array may change
 
     def _set_bytes(self, t: Tensor, data: np.ndarray) -> None:
@@ -464,12 +505,17 @@ class Graph:
         return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
 
     def reshape(self, t: Tensor, ne: tuple[int, int, int, int]) -> Tensor:
+        """ggml_reshape_4d of a contiguous t to ne: four positive ints in ggml order, t's element count.
+        Raises InputError for anything else (a negative or zero dim included: ggml would take its product)."""
         self.own(t)
+        if not isinstance(ne, (tuple, list)) or len(ne) != GGML_MAX_DIMS or any(
+                isinstance(n, bool) or not isinstance(n, (int, np.integer)) or int(n) < 1 for n in ne):
+            raise InputError(f"reshape takes {GGML_MAX_DIMS} positive int dims in ggml order, got {ne!r}")
         if not t.is_contiguous():
             raise InputError("reshape needs a contiguous tensor: cont() it first")
-        if int(np.prod(ne)) != int(np.prod(t.ne)):
-            raise InputError(f"reshape {t.ne} -> {ne} changes the element count")
-        return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *ne))
+        if int(np.prod([int(n) for n in ne], dtype=object)) != int(np.prod(t.ne, dtype=object)):
+            raise InputError(f"reshape {t.ne} -> {tuple(ne)} changes the element count")
+        return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *(int(n) for n in ne)))
 
     def cont(self, t: Tensor) -> Tensor:
         self.own(t)
@@ -482,8 +528,9 @@ class Graph:
         return self._wrap(self.lib.ggml_repeat(self.ctx, t.ptr, like.ptr))
 
     def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
-        """ggml_mul_mat(a, b) = b a^T per matrix: [K, M] x [K, N] -> [M, N]."""
+        """ggml_mul_mat(a, b) = b a^T per matrix: [K, M] x [K, N] -> [M, N]; a f32 or f16, b f32 (OP_TYPES)."""
         self.own(a, b)
+        check_op_types("mul_mat", a, b)
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise InputError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
         if a.nb[0] > a.nb[1]:
@@ -494,31 +541,40 @@ class Graph:
         """ggml_soft_max_ext(a, mask, scale, 0): softmax over ne0 of a*scale + mask; a contiguous, the mask f16
         or f32, contiguous, [ne0 = a's, ne1 >= a's, dims 2-3 dividing a's]."""
         self.own(a, *([mask] if mask is not None else []))
+        check_op_types("soft_max_ext", a)
         if not a.is_contiguous():
             raise InputError("soft_max_ext needs a contiguous a: cont() it first")
         if not np.isfinite(scale):
             raise InputError(f"soft_max_ext scale must be finite, got {scale}")
         if mask is not None:
-            if mask.dtype not in (np.float16, np.float32) or not mask.is_contiguous():
-                raise InputError(f"soft_max_ext mask must be contiguous f16 or f32, got {mask.dtype}")
+            if mask.type_name not in ("f16", "f32"):
+                raise InputTypeError(f"soft_max_ext mask must be f16 or f32, got {mask.type_name}")
+            if not mask.is_contiguous():
+                raise InputError("soft_max_ext mask must be contiguous")
             if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
                 raise InputError(f"soft_max_ext mask {mask.ne} does not fit a {a.ne}")
         return self._wrap(self.lib.ggml_soft_max_ext(self.ctx, a.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise a * b of one shape; operand types as OP_TYPES lists (the result has a's)."""
         self.own(a, b)
+        check_op_types("mul", a, b)
         if a.ne != b.ne:
             raise InputError(f"mul shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_mul(self.ctx, a.ptr, b.ptr))
 
     def add(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise a + b of one shape; operand types as OP_TYPES lists (the result has a's)."""
         self.own(a, b)
+        check_op_types("add", a, b)
         if a.ne != b.ne:
             raise InputError(f"add shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_add(self.ctx, a.ptr, b.ptr))
 
     def sum(self, a: Tensor) -> Tensor:
+        """The sum of every element of a (f32 or f16) as a one-element tensor of a's type."""
         self.own(a)
+        check_op_types("sum", a)
         return self._wrap(self.lib.ggml_sum(self.ctx, a.ptr))
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
@@ -711,10 +767,11 @@ class Graph:
         kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
         supported by the backend (ggml would otherwise abort). Returns the seconds the compute took.
         """
-        self._prepare_run(poison)
-        t0 = time.perf_counter()
-        status = self._run()
-        seconds = time.perf_counter() - t0
+        with self.backend.lock:  # one graph at a time on a backend (Backend's docstring)
+            self._prepare_run(poison)
+            t0 = time.perf_counter()
+            status = self._run()
+            seconds = time.perf_counter() - t0
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
         self._computed = True
@@ -727,11 +784,12 @@ class Graph:
         includes); the values are the graph's real results. Raises RuntimeError unless scheduled=True.
         """
         sched = self._need_sched()
-        self._prepare_run(())
-        try:
-            timed = sched.time_nodes(self.gf)
-        except BackendError as exc:
-            raise BackendError(f"{exc} on {self.backend.device_name}") from None
+        with self.backend.lock:
+            self._prepare_run(())
+            try:
+                timed = sched.time_nodes(self.gf)
+            except BackendError as exc:
+                raise BackendError(f"{exc} on {self.backend.device_name}") from None
         self._computed = True
         return [(Tensor(self, ptr), secs) for ptr, secs in timed]
 

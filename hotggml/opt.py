@@ -353,11 +353,12 @@ class Optimizer:
         elif labels is not None:
             raise InputError(f"loss {self.loss!r} takes no labels")
         lib, opt = self.lib, self._native.opt
-        lib.ggml_opt_alloc(opt, True)
-        lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
-        if self.loss in LABELLED:
-            lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
-        lib.ggml_opt_eval(opt, ffi.NULL)
+        with self.graph.backend.lock:  # one graph at a time on a backend (hotggml.graph.Backend)
+            lib.ggml_opt_alloc(opt, True)
+            lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
+            if self.loss in LABELLED:
+                lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
+            lib.ggml_opt_eval(opt, ffi.NULL)
         self.n_micro += 1
         out = ffi.new("float[1]")
         lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)

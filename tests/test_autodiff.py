@@ -9,9 +9,11 @@ import re
 import textwrap
 
 import pytest
+import numpy as np
 from _misuse import run_child
 
 from hotggml import autodiff, paths
+from hotggml.graph import Backend, Graph
 
 PRELUDE = """
 import numpy as np
@@ -101,3 +103,17 @@ def test_the_backward_op_list_is_ggml_compute_backward():
     for needle in ("backward pass for softmax mask not implemented", "gradients for freq factors not implemented",
                    "backward pass for labels not implemented", "backward pass for the mask of flash_attn_train"):
         assert needle in body
+
+
+def test_a_cast_in_the_graph_is_walked_as_ggml_walks_it(lib):
+    """ggml_cast sets its result's src[1] to the result itself (no data input): refusals() must not take it for
+    a source (it raised KeyError), and the gradient flows through the cast as ggml's CPY case sends it."""
+    with Backend("CPU") as be, Graph(be) as g:
+        x = g.param(np.arange(6, dtype=np.float32).reshape(2, 3))
+        y = g.wrap(g.lib.ggml_cast(g.ctx, x.ptr, g.lib.GGML_TYPE_F32))
+        assert y.ptr.src[1] == y.ptr  # the shape of the graph this test is about
+        loss = g.sum(g.mul(y, y))
+        assert autodiff.refusals([loss.ptr]) == []
+        g.build([y], loss)
+        g.compute()
+        np.testing.assert_array_equal(g.grad(x).reshape(2, 3), 2 * np.arange(6, dtype=np.float32).reshape(2, 3))

@@ -13,7 +13,7 @@ import pytest
 
 from hotggml import ffi as hffi
 from hotggml import ops, oracle
-from hotggml.errors import BackendError, LibraryError, UsageError
+from hotggml.errors import BackendError, InputError, LibraryError, UsageError
 from hotggml.graph import Backend, Graph, Tensor
 from hotggml.parity import rel_err
 
@@ -114,6 +114,33 @@ def test_bad_permute_axes(cpu, axes):
         t = g.input(np.zeros((2, 3, 4, 5), np.float32))
         with pytest.raises(ValueError, match="permutation"):
             g.permute(t, *axes)
+
+
+@pytest.mark.parametrize("ne", [(-2, -2, 1, 1), (4, 0, 1, 1), (2, 2, 1), (2.0, 2, 1, 1), (True, 4, 1, 1), "4111"])
+def test_reshape_takes_four_positive_ints(cpu, ne):
+    with Graph(cpu) as g:
+        t = g.input(np.ones((4,), np.float32))
+        with pytest.raises(InputError, match="positive int dims"):
+            g.reshape(t, ne)
+        assert g.reshape(t, (2, 2, 1, 1)).ne == (2, 2, 1, 1)  # the Graph stays usable
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_mask_with_plus_inf_or_nan_is_refused_by_name(cpu, bad):
+    q = np.ones((1, 1, 4, 8), np.float32)
+    mask = np.zeros((4, 4), np.float16)
+    mask[1, 2] = bad
+    with Graph(cpu) as g:
+        tq, tk, tv = g.param(q), g.param(q), g.param(q)
+        with pytest.raises(InputError, match=r"finite values or -inf only, got .* at \(1, 2\)"):
+            ops.flash_attn_train(g, tq, tk, tv, g.input(mask), 0.5)
+        mask[1, 2] = -np.inf  # -INF is the contract's masked entry
+        m = g.input(mask)
+        fwd = ops.flash_attn_train(g, tq, tk, tv, m, 0.5)
+        g.build([ops.get_o(fwd)])
+        mask[0, 0] = bad
+        with pytest.raises(InputError, match=r"set\(\): an attention mask holds finite values or -inf only"):
+            g.set(m, mask)
 
 
 def test_reshape_element_count(cpu):
