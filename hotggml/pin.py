@@ -12,13 +12,18 @@ reproducible too). The pin commit is marked with refs/tags/hotggml-pin.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import hashlib
+import lzma
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -334,6 +339,24 @@ def _materialize(tarball: Path, dest: Path, record: dict | None = None) -> str:
     return commit
 
 
+@contextlib.contextmanager
+def open_tarball(tarball: Path | str) -> Iterator[tarfile.TarFile]:
+    """tarfile.open(tarball) for reading, any compression; PinError naming the file when it is not a tarball,
+    is empty, or ends early (also while its members are read inside the with-block)."""
+    try:
+        with tarfile.open(tarball, "r:*") as archive:
+            yield archive
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError) as exc:
+        if Path(tarball).stat().st_size == 0:
+            why = "it is empty"
+        elif isinstance(exc, (EOFError, zlib.error)) or "unexpected end" in str(exc):
+            why = "it ends early: a truncated download or copy"
+        else:
+            why = "it is not a tar archive (plain, gz, bz2 or xz)"
+        raise PinError(f"{tarball} is not a readable tarball: {why}; give the ggml sdist (.tar.gz) or a tarball "
+                       "of a ggml tree") from None
+
+
 def extract_vendor_tree(tarball: Path | str, out: Path | str, prefix: str = SDIST_PREFIX) -> int:
     """Extract the members under `prefix` of `tarball` into `out`; return the file count.
 
@@ -343,7 +366,7 @@ def extract_vendor_tree(tarball: Path | str, out: Path | str, prefix: str = SDIS
     """
     out = Path(out)
     count = 0
-    with tarfile.open(tarball, "r:*") as archive:
+    with open_tarball(tarball) as archive:
         for member in archive:
             if not member.name.startswith(prefix):
                 continue

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ def in_progress() -> bool:
 
 def _tree_prefix(tarball: Path) -> str:
     """The folder of the ggml tree inside tarball: ``<x>/vendor/ggml/`` (an sdist) or ``<top>/``."""
-    with tarfile.open(tarball, "r:*") as archive:
+    with pin.open_tarball(tarball) as archive:
         names = archive.getnames()
     for name in names:
         if name.endswith("/vendor/ggml/CMakeLists.txt"):

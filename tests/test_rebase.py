@@ -143,3 +143,20 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
     exported = (repo / "patches" / "alloc-free-blocks.patch").read_text()
     assert "-#define MAX_FREE_BLOCKS 512" in exported and "+#define MAX_FREE_BLOCKS 1024" in exported
     _hotggml(repo, env, "patches", "check", check=True)
+
+
+def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_path, sdist):
+    """pin set of a text file, an empty file, a truncated sdist: one `hotggml: error:` line, exit 2, no traceback,
+    the pin record, patches, vendor tree and work repo as they were."""
+    repo, env = _clone(tmp_path, sdist)
+    before = _snapshot(repo, tmp_path / "state")
+    text, empty, truncated = tmp_path / "passwd", tmp_path / "empty.tar.gz", tmp_path / "cut.tar.gz"
+    text.write_text("root:x:0:0:root:/root:/bin/sh\n")
+    empty.write_bytes(b"")
+    truncated.write_bytes(sdist.read_bytes()[: sdist.stat().st_size // 3])
+    for source, why in ((text, "not a tar archive"), (empty, "it is empty"), (truncated, "it ends early")):
+        run = _hotggml(repo, env, "pin", "set", str(source))
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("hotggml: error:"), run.stderr[-2000:]
+        assert f"{source} is not a readable tarball: {why}" in lines[0]
+        assert _snapshot(repo, tmp_path / "state") == before
