@@ -154,7 +154,7 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
     text.write_text("root:x:0:0:root:/root:/bin/sh\n")
     empty.write_bytes(b"")
     truncated.write_bytes(sdist.read_bytes()[: sdist.stat().st_size // 3])
-    for source, why in ((text, "not a tar archive"), (empty, "it is empty"), (truncated, "it ends early")):
+    for source, why in ((text, "it is not a tar archive"), (empty, "it is empty"), (truncated, "it ends early")):
         run = _hotggml(repo, env, "pin", "set", str(source))
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("hotggml: error:"), run.stderr[-2000:]
