@@ -50,12 +50,50 @@ def arena_bytes(case: Case, device: str = "CPU") -> tuple[int, int]:
     return fused, chain
 
 
+def memory_case(base: Case, s: int) -> Case:
+    """base at S = s: self-attention (Skv == S) moves Skv with S, a causal tail (the chunk) keeps its context
+    before the queries (Skv - S), cross-attention keeps the encoder's Skv (and its padding)."""
+    if base.Skv == base.S:
+        skv = s
+    elif base.causal or base.mask == "causal":
+        skv = s + base.Skv - base.S
+    else:
+        skv = base.Skv
+    return replace(base, name=f"{base.name}-{s}", S=s, Skv=skv)
+
+
+def memory_kv_rule(base: Case) -> str:
+    """What the memory table varies besides S, in words (memory_case's rule for base)."""
+    if base.Skv == base.S:
+        return "Skv = S"
+    if base.causal or base.mask == "causal":
+        return f"Skv = S + {base.Skv - base.S} (the context before the queries)"
+    return f"Skv = {base.Skv} (the encoder's)"
+
+
+def check_host_memory(case: Case) -> None:
+    """Raise InputError when the case's host arrays (q, k, v, dO, the stored mask, in float32) would not fit
+    in this machine's physical memory: estimated before anything is allocated."""
+    B, Nh, Nkv, S, Skv, D, Dv = case.B, case.Nh, case.Nkv, case.S, case.Skv, case.D, case.dv
+    floats = B * (Nh * S * D + Nkv * Skv * (D + Dv) + S * Nh * Dv) + (B * S * Skv if case.mask != "none" else 0)
+    need = 4 * floats
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise InputError(f"{case.id} ({case.shape}) needs {need / 2**30:.1f} GiB of host arrays, more than this "
+                         f"machine's {have / 2**30:.1f} GiB: choose a smaller S")
+
+
 def memory_table(base: Case = DIT_FULL, seq_lens=MEMORY_S, device: str = "CPU", with_chain: bool = True) -> list[MemoryRow]:
-    """Arena bytes, fused vs exact chain (0 without it), at base's geometry for each S: Skv = S plus the
-    context base holds before its queries (Skv - S, 0 for self-attention: the chunk keeps its tail)."""
+    """Arena bytes, fused vs exact chain (0 without it), at base's geometry for each S (memory_case: Skv as
+    memory_kv_rule says). Raises InputError, before allocating, for an S whose arrays cannot fit."""
+    cases_at = [memory_case(base, s) for s in seq_lens]
+    for case in cases_at:
+        check_host_memory(case)
     rows = []
-    for s in seq_lens:
-        case = replace(base, name=f"{base.name}-{s}", S=s, Skv=s + base.Skv - base.S)
+    for s, case in zip(seq_lens, cases_at):
         if with_chain:
             fused, chain = arena_bytes(case, device)
         else:

@@ -458,7 +458,8 @@ def _run_memory(args: argparse.Namespace) -> int:
         base = found[0]
     rows = bench.memory_table(base, tuple(args.seq or bench.MEMORY_S), resolve_device(args.backend),
                               with_chain=not args.no_chain)
-    print(f"fwd+bwd graph arena at {base.id} geometry ({base.shape}; S varies), {args.backend}:")
+    print(f"fwd+bwd graph arena at {base.id} geometry ({base.shape}; S varies, {bench.memory_kv_rule(base)}), "
+          f"{args.backend}:")
     print(bench.format_memory(rows))
     return 0
 

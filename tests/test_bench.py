@@ -36,3 +36,26 @@ def test_profile_times_every_node_once(cpu):
         assert [t.ptr for t, _ in timed] == [t.ptr for t in g.nodes()]
         assert all(s >= 0 for _, s in timed)
         assert g.read(h.o).any()  # the profiled run computed the graph
+
+
+def test_memory_rows_keep_the_named_geometry():
+    """Self-attention moves Skv with S, a causal tail keeps its context, cross-attention keeps the encoder's Skv
+    (it moved with S before: --seq 1 of a 1250 x 640 cross case asked for Skv = -609)."""
+    by_id = {c.id: c for c in cases.FIELD}
+    assert bench.memory_case(by_id["dit-self-full-625"], 100).Skv == 100
+    assert bench.memory_case(by_id["chunk-27b-2048x75520"], 16).Skv == 16 + 75520 - 2048
+    cross = by_id["dit-cross-1250x640"]
+    assert [bench.memory_case(cross, s).Skv for s in (1, 7, 5000)] == [640, 640, 640]
+    assert "640" in bench.memory_kv_rule(cross)
+
+
+def test_memory_refuses_an_s_that_cannot_fit_before_allocating(lib):
+    import subprocess
+    import sys
+
+    from hotggml import paths
+
+    run = subprocess.run([sys.executable, "-m", "hotggml", "memory", "--seq", "100000000", "--no-chain"],
+                         capture_output=True, text=True, timeout=120, cwd=paths.REPO_ROOT)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "GiB of host arrays, more than this machine's" in lines[0], run.stderr
