@@ -236,6 +236,8 @@ class FieldRow:
     flops: int
     kernels: dict = field(default_factory=dict)
     capped: dict = field(default_factory=dict)
+    kv_bytes: int = 0            # K and V as the fused graph holds them (a cache in its stored type)
+    pool_peak: int | None = None  # the TF32 arm's most op pool memory in one node (CUDA's counter), bytes
 
     @property
     def ratio(self) -> float | None:
@@ -250,11 +252,15 @@ def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, wit
     arms += [("chain", None, None)] if with_chain else []
     arms += [(f"tf32@{kib}", "default", kib) for kib in caps]
     with Backend(device) as be:
-        graphs, kernels = {}, {}
+        graphs, kernels, kv_bytes = {}, {}, 0
         try:
             for arm, prec, kib in arms:
                 g = graphs[arm] = Graph(be)
-                build_chain(g, case) if prec is None else build_fused(g, case, prec)
+                if prec is None:
+                    build_chain(g, case)
+                else:
+                    h = build_fused(g, case, prec)
+                    kv_bytes = g.lib.ggml_nbytes(h.k.ptr) + g.lib.ggml_nbytes(h.v.ptr)
                 if prec is not None:
                     with cuda_smem_cap(kib):
                         kernels[arm] = probe(case, be, prec).kernel
@@ -268,6 +274,11 @@ def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, wit
                         secs = graphs[arm].compute()
                     if r >= warmup:
                         times[arm].append(secs)
+            pool_peak = None
+            if device.upper().startswith("CUDA"):  # one more TF32 compute with the op's pool counter reset
+                be.fa_train_pool_peak(reset=True)
+                graphs["fused_tf32"].compute()
+                pool_peak = be.fa_train_pool_peak()
         finally:
             for g in graphs.values():
                 g.close()
@@ -275,7 +286,7 @@ def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, wit
     fwd, bwd = attention_flops(case)
     return FieldRow(case.id, case.shape, med["fused_tf32"], med.get("fused_f32"), med.get("chain"),
                     arenas["fused_tf32"], arenas.get("chain"), fwd + bwd, kernels,
-                    {kib: med[f"tf32@{kib}"] for kib in caps})
+                    {kib: med[f"tf32@{kib}"] for kib in caps}, kv_bytes, pool_peak)
 
 
 def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
@@ -300,6 +311,11 @@ def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
     lines += ["",
               "tf32/chain: the fused TF32 arm's median over the exact chain's (paired, interleaved); TFLOP/s: of the",
               "  fused TF32 arm at FlashAttention-2's count; tf32 kernel: what it ran (family-instance-shared-memory class)."]
+    if any(r.pool_peak is not None for r in rows):
+        lines += ["", "device memory per step (MiB): K/V as the graph holds them, the fused graph's arena, and the op's most",
+                  "  pool memory in one node (TF32 arm; mask cells, TF32 copies of the streamed operands, D_i, dK/dV parts)"]
+        lines += [f"  {r.case:<26} K/V {r.kv_bytes / 2**20:9.1f}  arena {r.fused_arena / 2**20:9.1f}  op pool "
+                  + (f"{r.pool_peak / 2**20:9.1f}" if r.pool_peak is not None else f"{'-':>9}") for r in rows]
     if caps:
         lines += [f"@N ms: the TF32 arm with the CUDA shared-memory budget capped at N KiB ({SMEM_CAP_ENV}), its kernels",
                   "  those of that class's cards; x: its time over the uncapped arm's. The code path, not those cards' speed:",

@@ -64,6 +64,7 @@ class Case:
     tags: tuple[str, ...] = field(default=())
     k_type: str = "f32"  # K and V in a stored type (hotggml.kvcache.TYPES): a frozen cache, no dK / dV
     v_type: str = "f32"
+    frozen_kv: bool = False  # f32 K and V as inputs without gradient (dQ alone: the f32 twin of a frozen cache)
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -96,6 +97,11 @@ class Case:
         implicit = ("+causal" if self.causal else "") + (f"+window{self.window}" if self.window is not None else "")
         return (f"B{self.B} Nh{self.Nh} Nkv{self.Nkv} D{self.D}" + (f" Dv{self.dv}" if self.Dv else "") +
                 f" S{self.S} Skv{self.Skv} {self.mask}{implicit}")
+
+    def kv_trained(self, name: str) -> bool:
+        """Whether the fused op's autodiff asks a gradient for ``name`` ('k' or 'v'): an f32 K / V that the
+        case does not freeze; a cache in a stored type never gets one (SPEC §4)."""
+        return getattr(self, f"{name}_type") == "f32" and not self.frozen_kv
 
     def has_mask(self) -> bool:
         """Whether the fused op reads a stored mask (implicit masks are not stored)."""
@@ -251,6 +257,9 @@ FIELD = [
     *(Case(f"lm-causal-{s}", Nh=16, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
     *(Case(f"lm4b-causal-{s}", Nh=32, Nkv=8, D=128, S=s, Skv=s, causal=True) for s in (1024, 2113, 3500)),
     Case("chunk-27b-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True),
+    # the same chunk against a frozen cache (dQ alone): K and V stored as q8_0, and its f32 twin
+    Case("chunk-27b-q8_0-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True, k_type="q8_0", v_type="q8_0"),
+    Case("chunk-27b-frozen-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True, frozen_kv=True),
     # head sizes other than 64 / 128 / 256 (SPEC §7): DiT-XL, UNet blocks, Phi-class LMs, 112 / 160, MLA-style
     # 192 / 128, and DiT self-attention in batches of 4 with key padding
     Case("dit-d72-full-4096", Nh=16, Nkv=16, D=72, S=4096, Skv=4096),

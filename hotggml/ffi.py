@@ -30,6 +30,7 @@ const char * hotggml_struct_layout_names(void);
 const size_t * hotggml_struct_layout(void);
 const char * hotggml_rpc_proto_version(void);
 typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
+typedef size_t (*ggml_backend_cuda_fa_train_pool_peak_t)(bool reset);
 typedef ggml_backend_reg_t (*ggml_backend_rpc_add_server_t)(const char * endpoint);
 bool ggml_op_can_inplace(enum ggml_op op);  /* ggml-impl.h (exported): ops whose result may take a source's memory */
 """

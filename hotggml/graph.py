@@ -111,6 +111,21 @@ class Backend:
             raise BackendError(f"{self.device_name} does not report which flash_attn_train path it runs")
         return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
 
+    def fa_train_pool_peak(self, reset: bool = False) -> int:
+        """The most CUDA pool memory (bytes) one FLASH_ATTN_TRAIN(_BACK) node took on this backend's device
+        since the last call with ``reset`` (then 0 again): its scratch (mask cells, TF32 operand copies, D_i,
+        split dK/dV sums), as the pool handed it out. The library's own counter (the CUDA registry's proc
+        address ``ggml_backend_cuda_flash_attn_train_pool_peak``, shared by the process's CUDA devices).
+        Raises BackendError on a backend without one (the CPU's scratch is its work buffer, not a pool)."""
+        lib = load()
+        peak = None
+        if self.device_name.startswith("CUDA"):
+            peak = backend_proc(lib.ggml_backend_dev_backend_reg(self._dev), "ggml_backend_cuda_flash_attn_train_pool_peak",
+                                "ggml_backend_cuda_fa_train_pool_peak_t")
+        if peak is None:
+            raise BackendError(f"{self.device_name} keeps no flash_attn_train pool counter")
+        return int(peak(reset))
+
     def fa_train_path(self, tensor: "Tensor") -> str:
         """The precision a FLASH_ATTN_TRAIN(_BACK) node runs at here: 'tf32', 'f32' or 'none' (refused),
         read off fa_train_kernel (the first word of its name). Raises BackendError for a name that

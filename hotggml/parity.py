@@ -129,15 +129,22 @@ class FusedGraph:
     fused_nodes: list
 
 
+def _kv_leaf(g: Graph, case: Case, x: np.ndarray, name: str):
+    """K or V of the fused arm: a param where the case trains it (dK / dV), an f32 input where it freezes it,
+    and a frozen cache in its stored type otherwise (no gradient)."""
+    kind = getattr(case, f"{name}_type")
+    if kind != "f32":
+        return g.cache(x, kind, name)
+    return g.param(x, name) if case.kv_trained(name) else g.input(x, name)
+
+
 def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
     """Fused forward + autodiff backward of L = sum(O*dO) (+ sum(LSE*dLSE)) at the case's shape, with
     its stored mask and its implicit masks (with NaN in k and v at the masked keys of a ``garbage`` case)."""
     x = case.inputs(with_garbage=True)
     mask = case.stored_mask()
     q_leaf, q = _leaf_q(g, case, x["q"])
-    # an f32 K / V is a param (gets dK / dV); another type is a frozen cache in that type (no gradient)
-    k = g.param(x["k"], "k") if case.k_type == "f32" else g.cache(x["k"], case.k_type, "k")
-    v = g.param(x["v"], "v") if case.v_type == "f32" else g.cache(x["v"], case.v_type, "v")
+    k, v = (_kv_leaf(g, case, x[name], name) for name in ("k", "v"))
     m = g.input(mask[:, None], "mask") if mask is not None else None
     fwd = ops.flash_attn_train(g, q, k, v, m, case.scale, prec, causal=case.causal, window=case.window)
     o, lse = ops.get_o(fwd), ops.get_lse(fwd)
@@ -312,8 +319,9 @@ def _zeros(grad: np.ndarray | None, index) -> bool:
 def _exact_checks(case: Case, fused: ArmResult, ref: ArmResult, kernel: str) -> dict[str, bool]:
     mask = case.mask_array()
     checks = {"lse_gap_zero": fused.lse_gap_zero,
-              # a K or V in a stored type is a frozen cache: autodiff asks no gradient for it, an f32 one gets its own
-              "grads_only_for_f32_kv": (fused.dk is None) == (case.k_type != "f32") and (fused.dv is None) == (case.v_type != "f32")}
+              # a K or V in a stored type is a frozen cache (as is a frozen f32 one): autodiff asks no gradient
+              # for it, a trained f32 one gets its own
+              "grads_only_for_f32_kv": (fused.dk is None) != case.kv_trained("k") and (fused.dv is None) != case.kv_trained("v")}
     # a 'cancel' case's dQ and dK are ~0 by construction; its dV still guards against vacuity
     for name in (("dV",) if "cancel" in case.tags else ("dQ", "dK", "dV")):
         checks[f"{name}_ref_nonzero"] = bool(np.max(np.abs(getattr(ref, name.lower()))) > 0)

@@ -14,7 +14,7 @@ import pytest
 from hotggml import cases, parity
 from hotggml.cases import Case
 from hotggml.errors import BackendError
-from hotggml.graph import Backend, devices
+from hotggml.graph import Backend, Graph, devices
 
 
 def _cuda_devices() -> list[str]:
@@ -146,3 +146,39 @@ def cpu_fused_cache(lib):
                 done[case.id] = parity.run_fused(case, be, "f32")
         return done[case.id]
     return get
+
+
+# -- K and V in stored types (issue 20): the register family reads them as stored -------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prec", ["f32", "default"])
+@pytest.mark.parametrize("case", cases.TYPES, ids=lambda c: c.id)
+def test_cuda_types_parity(cuda_device, case, prec):
+    result = parity.run_case(case, cuda_device, prec=prec)
+    assert result.kernel.startswith("tf32-reg-" if prec == "default" else "f32-x3-")
+    assert result.passed, f"{case.id} {prec}: " + "; ".join(result.failures)
+    assert result.checks["bitwise_across_runs"] is True and result.checks["grads_only_for_f32_kv"] is True
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("f16", "bf16")])
+def test_cuda_cache_takes_no_converted_copy(cuda_device, k_type, v_type):
+    """No node of the graph and no pool allocation of the op is the size of an f32 copy of K or V; the f32
+    twin of the same graph (K and V frozen f32 inputs) shows that the counter sees such copies where the TF32
+    path makes them (its rounded K and V)."""
+    shape = dict(Nh=4, Nkv=2, D=128, S=32, Skv=4096, causal=True)
+    f32_kv = 2 * 2 * 4096 * 128 * 4  # K and V of the two kv heads as f32
+    peaks = {}
+    for case in (Case("stored", k_type=k_type, v_type=v_type, **shape), Case("twin", frozen_kv=True, **shape)):
+        with Backend(cuda_device) as be, Graph(be) as g:
+            h = parity.build_fused(g, case, "default")
+            if case.k_type != "f32":
+                kv = (h.k.ptr, h.v.ptr)
+                largest = max(g.lib.ggml_nbytes(t.ptr) for t in g.nodes() if t.ptr not in kv)
+                assert largest < f32_kv // 2 / 4, f"a node of {largest} bytes beside a {k_type}/{v_type} cache"
+            be.fa_train_pool_peak(reset=True)
+            g.compute()
+            peaks[case.name] = be.fa_train_pool_peak()
+            assert np.max(np.abs(g.grad(h.q_leaf))) > 0
+    assert 0 < peaks["stored"] < f32_kv // 16, peaks   # mask cells and D_i only
+    assert peaks["twin"] >= f32_kv, peaks               # the twin's TF32 copies of K and V

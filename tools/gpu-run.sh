@@ -56,23 +56,26 @@ step apply pass hg patches apply
 w=.hotggml/work/ggml
 [[ $arch == *a ]] && step wgmma-probe pass bash -c "nvcc -std=c++17 -arch=sm_$arch -I$w/include -I$w/src -I$w/src/ggml-cuda tools/wgmma_probe.cu -Xlinker --unresolved-symbols=ignore-all -o /tmp/wgmma_probe && /tmp/wgmma_probe"
 step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)" --tests
-step parity-f32 pass hg parity --backend cuda --set smoke --set real --prec f32 --json "$out/parity-f32.json"
-step parity-tf32 pass hg parity --backend cuda --set smoke --set real --prec default --json "$out/parity-tf32.json"
+step parity-f32 pass hg parity --backend cuda --set smoke --set real --set types --prec f32 --json "$out/parity-f32.json"
+step parity-tf32 pass hg parity --backend cuda --set smoke --set real --set types --prec default --json "$out/parity-tf32.json"
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
 step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
-step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-' --prec default --no-chain --json "$out/parity-chunk.json"
-step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
+step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-27b-2048' --prec default --no-chain --json "$out/parity-chunk.json"
+step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-27b-2048' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
 step cuda-tests pass python3 -m pytest tests/test_cuda.py tests/test_training_floor.py -v -m cuda -rs -p no:cacheprovider
 step nan-inputs pass python3 -m pytest tests/test_nan_inputs.py -v -m cuda -rs -p no:cacheprovider
 step bench-field pass hg bench --backend cuda --set field -p '^(?!chunk-)' --runs 5 --smem-caps 99,163 --profile --json "$out/bench-field.json"
-step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-' --runs 3 --json "$out/bench-chunk.json"
+step bench-chunk pass hg bench --backend cuda --set field -p '^chunk-27b-2048' --runs 3 --json "$out/bench-chunk.json"
+# the chunk against a frozen cache, dQ alone: K/V as q8_0 beside their f32 twin, paired (issue 20)
+step chunk-q8_0 pass hg parity --backend cuda --set field -p '^chunk-27b-q8_0' --prec default --no-chain --json "$out/parity-chunk-q8_0.json"
+step bench-chunk-kv pass hg bench --backend cuda --set field -p '^chunk-27b-(q8_0|frozen)' --no-chain --no-f32 --runs 5 --json "$out/bench-chunk-kv.json"
 step probe-field pass hg probe --backend cuda --set field
 # the smaller shared-memory classes' configurations on this card (GGML_CUDA_FA_TRAIN_SMEM_KB caps the budget per
 # block; parity prints the kernel, e.g. tf32-reg-d128-smem99): the code paths of A100-class and consumer cards
 for kib in 99 163; do
     for prec in f32 default; do
         step parity-$prec-smem$kib pass env GGML_CUDA_FA_TRAIN_SMEM_KB=$kib python3 -m hotggml parity --backend cuda \
-            --set smoke --set real --prec $prec --json "$out/parity-$prec-smem$kib.json"
+            --set smoke --set real --set types --prec $prec --json "$out/parity-$prec-smem$kib.json"
     done
 done
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
