@@ -38,15 +38,18 @@ class MemoryRow:
         return self.fused_bytes / self.chain_bytes
 
 
-def arena_bytes(case: Case, device: str = "CPU") -> tuple[int, int]:
-    """(fused, chain) allocator arena bytes of the fwd+bwd graph at ``case`` (reserve only)."""
+def arena_bytes(case: Case, device: str = "CPU", with_chain: bool = True) -> tuple[int, int]:
+    """(fused, chain) allocator arena bytes of the fwd+bwd graph at ``case`` (chain 0 without it): reserve only,
+    on Graphs whose leaves hold no data (Graph(reserve_only=True)), so no input of the case is ever allocated."""
     with Backend(device) as be:
-        with Graph(be) as g:
+        with Graph(be, reserve_only=True) as g:
             build_fused(g, case)
             fused = g.arena_bytes()
-        with Graph(be) as g:
-            build_chain(g, case)
-            chain = g.arena_bytes()
+        chain = 0
+        if with_chain:
+            with Graph(be, reserve_only=True) as g:
+                build_chain(g, case)
+                chain = g.arena_bytes()
     return fused, chain
 
 
@@ -71,35 +74,12 @@ def memory_kv_rule(base: Case) -> str:
     return f"Skv = {base.Skv} (the encoder's)"
 
 
-def check_host_memory(case: Case) -> None:
-    """Raise InputError when the case's host arrays (q, k, v, dO, the stored mask, in float32) would not fit
-    in this machine's physical memory: estimated before anything is allocated."""
-    B, Nh, Nkv, S, Skv, D, Dv = case.B, case.Nh, case.Nkv, case.S, case.Skv, case.D, case.dv
-    floats = B * (Nh * S * D + Nkv * Skv * (D + Dv) + S * Nh * Dv) + (B * S * Skv if case.mask != "none" else 0)
-    need = 4 * floats
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > have:
-        raise InputError(f"{case.id} ({case.shape}) needs {need / 2**30:.1f} GiB of host arrays, more than this "
-                         f"machine's {have / 2**30:.1f} GiB: choose a smaller S")
-
-
 def memory_table(base: Case = DIT_FULL, seq_lens=MEMORY_S, device: str = "CPU", with_chain: bool = True) -> list[MemoryRow]:
     """Arena bytes, fused vs exact chain (0 without it), at base's geometry for each S (memory_case: Skv as
-    memory_kv_rule says). Raises InputError, before allocating, for an S whose arrays cannot fit."""
-    cases_at = [memory_case(base, s) for s in seq_lens]
-    for case in cases_at:
-        check_host_memory(case)
+    memory_kv_rule says). Nothing of the size of the case is allocated (arena_bytes): any S is measured."""
     rows = []
-    for s, case in zip(seq_lens, cases_at):
-        if with_chain:
-            fused, chain = arena_bytes(case, device)
-        else:
-            with Backend(device) as be, Graph(be) as g:
-                build_fused(g, case)
-                fused, chain = g.arena_bytes(), 0
+    for s in seq_lens:
+        fused, chain = arena_bytes(memory_case(base, s), device, with_chain)
         rows.append(MemoryRow(s, fused, chain))
     return rows
 

@@ -127,13 +127,23 @@ class Case:
         m[:, hidden] = -np.inf
         return m.astype(np.float16)
 
+    def stored_mask_shape(self) -> tuple[int, int, int] | None:
+        """The shape (Bm, S', Skv) of stored_mask(), computed without it; None when there is none."""
+        if not self.has_mask():
+            return None
+        return (self.B if (self.mask_per_batch or self.mask == "padding") else 1, self.S + self.mask_rows_extra, self.Skv)
+
+    def mask_array_shape(self) -> tuple[int, int, int] | None:
+        """The shape of mask_array(), computed without it; None when there is none."""
+        stored = self.stored_mask_shape()
+        return stored if stored is not None or not self.has_implicit() else (1, self.S, self.Skv)
+
     def stored_mask(self) -> np.ndarray | None:
         """The additive mask the fused op reads, float16 (Bm, S', Skv) with Bm in {1, B}, or None."""
         if not self.has_mask():
             return None
         rng = np.random.default_rng(self.seed + 1000)
-        Bm = self.B if (self.mask_per_batch or self.mask == "padding") else 1
-        S2 = self.S + self.mask_rows_extra
+        Bm, S2, _ = self.stored_mask_shape()
         i = np.arange(S2)[:, None]
         j = np.arange(self.Skv)[None, :]
         m = np.zeros((Bm, S2, self.Skv), dtype=np.float32)
@@ -165,6 +175,18 @@ class Case:
         dead = np.all(np.isneginf(mask[:, : self.S].astype(np.float32)), axis=1)  # (Bm, Skv)
         return np.broadcast_to(dead, (self.B, self.Skv)).copy()
 
+    def input_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """The NumPy shapes of inputs()' arrays (None where it has none), computed without them."""
+        B, Nh, Nkv, S, Skv, D, Dv = self.B, self.Nh, self.Nkv, self.S, self.Skv, self.D, self.dv
+        return {"q": (B, Nh, S, D), "k": (B, Nkv, Skv, D), "v": (B, Nkv, Skv, Dv), "do": (B, S, Nh, Dv),
+                "dlse": (B, S, Nh) if self.lse_loss else None}
+
+    def placeholders(self) -> dict[str, np.ndarray | None]:
+        """inputs()' arrays as zero-stride views of one float32 zero (np.broadcast_to): their shapes and dtype
+        at no memory, for a Graph that only measures (Graph(reserve_only=True))."""
+        return {name: None if shape is None else np.broadcast_to(np.float32(0), shape)
+                for name, shape in self.input_shapes().items()}
+
     def inputs(self, with_garbage: bool = False) -> dict[str, np.ndarray]:
         """Seeded f32 inputs in NumPy (batch-first) layout and the loss weights (dO, dLSE).
 
@@ -172,16 +194,16 @@ class Case:
         (what the fused arm gets); the references always get the finite values.
         """
         rng = np.random.default_rng(self.seed)
-        B, Nh, Nkv, S, Skv, D, Dv = self.B, self.Nh, self.Nkv, self.S, self.Skv, self.D, self.dv
+        shape = self.input_shapes()
         gain = np.float32(self.qk_gain)
         out = {
-            "q": rng.standard_normal((B, Nh, S, D), dtype=np.float32) * gain,
-            "k": rng.standard_normal((B, Nkv, Skv, D), dtype=np.float32) * gain,
+            "q": rng.standard_normal(shape["q"], dtype=np.float32) * gain,
+            "k": rng.standard_normal(shape["k"], dtype=np.float32) * gain,
             "v": (np.float32(self.v_offset) +
-                  np.float32(self.v_spread) * rng.standard_normal((B, Nkv, Skv, Dv), dtype=np.float32)),
+                  np.float32(self.v_spread) * rng.standard_normal(shape["v"], dtype=np.float32)),
             # dO in the O layout of the op, [Dv, Nh, S, B] -> NumPy (B, S, Nh, Dv)
-            "do": rng.standard_normal((B, S, Nh, Dv), dtype=np.float32),
-            "dlse": rng.standard_normal((B, S, Nh), dtype=np.float32) if self.lse_loss else None,
+            "do": rng.standard_normal(shape["do"], dtype=np.float32),
+            "dlse": rng.standard_normal(shape["dlse"], dtype=np.float32) if self.lse_loss else None,
         }
         # a cache in a stored type holds what ggml's converter makes of the values: every arm sees those
         for name, kind in (("k", self.k_type), ("v", self.v_type)):

@@ -289,6 +289,12 @@ class Graph:
     Build with ``input``/``param`` and the op methods (or hotggml.ops), then ``build(outputs,
     loss)``, then either ``arena_bytes()`` (reserve only) or ``compute()`` and ``read``/``grad``.
 
+    ``reserve_only=True`` makes a Graph that is measured and never computed (``hotggml memory``): its leaves
+    take an array's shape and dtype, never its data (nothing is copied or uploaded: a zero-stride
+    ``np.broadcast_to`` array of any size costs nothing), and sit on a zero-byte buffer of the backend, as
+    tensors placed elsewhere, so ``arena_bytes()`` measures the same arena as a Graph with data;
+    ``compute()``, ``profile()``, ``read()``, ``grad()``, ``set()`` and ``freeze()`` raise UsageError.
+
     ``scheduled=True`` computes through ``ggml_backend_sched`` over [backend, CPU] as a trainer
     does (hotggml.sched): nodes the backend refuses fall back to the CPU instead of raising,
     ``assign`` pins a node to a backend, and ``placement()`` / ``n_splits`` say where each node
@@ -298,10 +304,14 @@ class Graph:
     MAX_INPUTS = 4096  # leaves (inputs, params, loss weights) one graph may hold
     MAX_NODES_LIMIT = 1 << 20
 
-    def __init__(self, backend: Backend, max_nodes: int = 16384, scheduled: bool = False):
+    def __init__(self, backend: Backend, max_nodes: int = 16384, scheduled: bool = False, reserve_only: bool = False):
         """max_nodes: the graph's capacity, forward and backward nodes together (and leafs). build() counts
         the forward before ggml sees it and, with a loss, refuses a forward of more than
-        max_nodes / (1 + BACKWARD_GROWTH) nodes: ggml aborts the process when a graph overflows."""
+        max_nodes / (1 + BACKWARD_GROWTH) nodes: ggml aborts the process when a graph overflows.
+        reserve_only: leaves without data, for arena_bytes() only (the class docstring)."""
+        if not isinstance(reserve_only, (bool, np.bool_)):
+            raise InputTypeError(f"reserve_only must be a bool, got {type(reserve_only).__name__}")
+        self.reserve_only = bool(reserve_only)
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 16 <= max_nodes <= self.MAX_NODES_LIMIT:
             raise InputError(f"max_nodes must be an int in [16, {self.MAX_NODES_LIMIT}], got {max_nodes!r}")
         if not isinstance(backend, Backend):
@@ -369,7 +379,8 @@ class Graph:
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
         self._leaves.append(t)
-        self._pending.append((t, np.ascontiguousarray(array, dtype=dtype)))
+        if not self.reserve_only:  # a reserve-only leaf keeps no data: its shape and dtype are all it takes
+            self._pending.append((t, np.ascontiguousarray(array, dtype=dtype)))
         return t
 
     def cache(self, array: np.ndarray, type_name: str, name: str | None = None) -> Tensor:
@@ -396,19 +407,22 @@ class Graph:
             raise UsageError(f"this Graph is trained by {self._owner}: its inputs were fixed when it took the Graph")
         if len(self._leaves) >= self.MAX_INPUTS:
             raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
-        raw = kvcache.encode(array, type_name)
-        if raw.nbytes > MAX_TENSOR_BYTES:
+        ne = ggml_shape(array.shape)
+        ggml_type = getattr(self.lib, f"GGML_TYPE_{type_name.upper()}")
+        raw = None if self.reserve_only else kvcache.encode(array, type_name)
+        nbytes = raw.nbytes if raw is not None else int(self.lib.ggml_row_size(ggml_type, ne[0])) * int(np.prod(ne[1:], dtype=object))
+        if nbytes > MAX_TENSOR_BYTES:
             raise InputError(f"cache of shape {array.shape} is over {MAX_TENSOR_BYTES} bytes")
         self._room(self.ctx_in)
-        ne = ggml_shape(array.shape)
         ne_c = ffi.new("int64_t[4]", list(ne))
-        ptr = self.lib.ggml_new_tensor(self.ctx_in, getattr(self.lib, f"GGML_TYPE_{type_name.upper()}"), GGML_MAX_DIMS, ne_c)
+        ptr = self.lib.ggml_new_tensor(self.ctx_in, ggml_type, GGML_MAX_DIMS, ne_c)
         if name:
             self.lib.ggml_set_name(ptr, name.encode()[:63])
         t = Tensor(self, ptr)
         self.lib.ggml_set_input(t.ptr)
         self._leaves.append(t)
-        self._pending.append((t, raw.reshape(-1)))
+        if raw is not None:
+            self._pending.append((t, raw.reshape(-1)))
         return t
 
     def param(self, array: np.ndarray, name: str | None = None) -> Tensor:
@@ -432,6 +446,7 @@ class Graph:
             raise UsageError("this Graph is closed")
         if self._owner is not None:
             raise UsageError(f"this Graph is trained by {self._owner}: pass the data to its step")
+        self._need_data("set()")
         if not isinstance(t, Tensor) or t.graph is not self or not any(t.ptr == leaf.ptr for leaf in self._leaves):
             raise InputTypeError("set() takes an input() or param() of this Graph"
                                  + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
@@ -662,12 +677,27 @@ class Graph:
             raise UsageError("this Graph is closed")
         if self.gf is not None or self._owner is not None:
             raise UsageError("freeze() needs a Graph that is neither built nor frozen")
+        self._need_data("freeze()")
         self._upload_leaves()
         self._owner = owner
+
+    def _need_data(self, what: str) -> None:
+        if self.reserve_only:
+            raise UsageError(f"{what} on a reserve_only Graph: its leaves hold no data (it is for arena_bytes())")
 
     def _upload_leaves(self) -> None:
         # inputs get their own buffer now, so the arena measures the graph's compute memory only
         self.backend.need_open()
+        if self.reserve_only:
+            # a zero-byte buffer of the backend (ggml's dummy buffer): the allocator takes a leaf on a buffer for
+            # one placed elsewhere, as it takes the uploaded leaves below, and measures the same arena
+            buf = self.lib.ggml_backend_alloc_buffer(self.backend._ptr, 0)
+            if buf == ffi.NULL:
+                raise OutOfMemoryError("a zero-byte buffer could not be made on " + self.backend.device_name)
+            self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free)
+            for t in self._leaves:
+                t.ptr.buffer = buf
+            return
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
         if buf == ffi.NULL and self._leaves:
             raise OutOfMemoryError("input buffer allocation failed on " + self.backend.device_name)
@@ -811,6 +841,7 @@ class Graph:
     def _prepare_run(self, poison) -> None:
         """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors."""
         self._need_graph()
+        self._need_data("compute()")
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
         if isinstance(poison, Tensor) or not isinstance(poison, (list, tuple)):
             raise InputTypeError(f"poison must be a list of this Graph's tensors, got {type(poison).__name__}")
@@ -839,6 +870,7 @@ class Graph:
         """
         self._need_graph()
         self.own(t)
+        self._need_data("read()")
         if not self._computed:
             raise UsageError("call compute() before reading tensors")
         keeps = FLAG_INPUT | FLAG_OUTPUT | FLAG_PARAM

@@ -105,7 +105,7 @@ def _leaf_q(g: Graph, case: Case, q: np.ndarray):
     if not case.q_view:
         t = g.param(q, "q")
         return t, t
-    base = g.param(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), "q_base")  # ggml [D, Nh, S, B]
+    base = g.param(q.transpose(0, 2, 1, 3), "q_base")  # ggml [D, Nh, S, B] (input() makes it contiguous)
     view = g.permute(base, 0, 2, 1, 3)                                          # ggml [D, S, Nh, B]
     assert not view.is_contiguous()
     return base, view
@@ -138,11 +138,21 @@ def _kv_leaf(g: Graph, case: Case, x: np.ndarray, name: str):
     return g.param(x, name) if case.kv_trained(name) else g.input(x, name)
 
 
+def _inputs(g: Graph, case: Case, with_garbage: bool = False) -> dict:
+    """The case's inputs, or for a reserve-only Graph their placeholders (shapes, no data)."""
+    return case.placeholders() if g.reserve_only else case.inputs(with_garbage=with_garbage)
+
+
+def _mask_placeholder(shape: tuple[int, ...] | None) -> np.ndarray | None:
+    """A reserve-only Graph's mask: a zero-stride float16 view of that shape (None: no mask)."""
+    return None if shape is None else np.broadcast_to(np.float16(0), shape)
+
+
 def build_fused(g: Graph, case: Case, prec: str = "default") -> FusedGraph:
     """Fused forward + autodiff backward of L = sum(O*dO) (+ sum(LSE*dLSE)) at the case's shape, with
     its stored mask and its implicit masks (with NaN in k and v at the masked keys of a ``garbage`` case)."""
-    x = case.inputs(with_garbage=True)
-    mask = case.stored_mask()
+    x = _inputs(g, case, with_garbage=True)
+    mask = _mask_placeholder(case.stored_mask_shape()) if g.reserve_only else case.stored_mask()
     q_leaf, q = _leaf_q(g, case, x["q"])
     k, v = (_kv_leaf(g, case, x[name], name) for name in ("k", "v"))
     m = g.input(mask[:, None], "mask") if mask is not None else None
@@ -210,10 +220,10 @@ def build_chain(g: Graph, case: Case) -> ChainGraph:
     Fully masked rows are unmasked for the chain and their dO rows zeroed (soft_max_ext gives NaN
     there); they are excluded from O/dQ diffs, and contribute nothing to dK/dV either way.
     """
-    x = case.inputs()
-    mask = case.mask_array()
-    do = x["do"].copy()
-    if mask is not None:
+    x = _inputs(g, case)
+    mask = _mask_placeholder(case.mask_array_shape()) if g.reserve_only else case.mask_array()
+    do = x["do"].copy() if not g.reserve_only else x["do"]
+    if mask is not None and not g.reserve_only:
         dead = oracle.masked_rows(mask, case.B, case.S)
         if dead.any():
             mask = mask.copy()
