@@ -312,7 +312,11 @@ def _threads(text: str) -> list[int]:
 
 def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `parity --backend NAME --set smoke [--set real] [-p REGEX] [--threads 1,2] [--json PATH]`."""
-    parser = subparsers.add_parser("parity", help="fused op vs exact chain vs float64 oracle")
+    parser = subparsers.add_parser(
+        "parity", help="fused op vs exact chain vs float64 oracle",
+        description="A line per case on stderr, and inside a case that runs long a line per arm and oracle head. "
+                    "Expected on a 2-core machine: smoke in about a second at --threads 1,2 (measured); the field "
+                    "set's long-context chunk (-p chunk) alone about 14 min on the CPU (reported once, not re-timed).")
     parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "limits", "field"),
                         help="case set (repeatable; default smoke; types: K/V in stored types; field holds the "
@@ -383,6 +387,26 @@ def _progress(done: int, total: int, text: str) -> None:
         print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
 
 
+class _Heartbeat:
+    """A progress callback that prints ``PREFIX: text`` on stderr (flushed) once EVERY_S seconds have passed since
+    the start or its last line: a long case (the field set's chunk on a CPU) shows where it is, short ones stay
+    quiet."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, prefix: str):
+        import time
+
+        self.prefix, self.clock = prefix, time.monotonic
+        self.last = self.clock()
+
+    def __call__(self, text: str) -> None:
+        now = self.clock()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
+
+
 def _print_cases(selected: list) -> int:
     for case in selected:
         print(f"{case.id:<32} {case.shape}")
@@ -422,7 +446,8 @@ def _run_parity(args: argparse.Namespace) -> int:
     device = resolve_device(args.backend)
     results = []
     for i, case in enumerate(selected, start=1):
-        res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain)
+        res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain,
+                              progress=_Heartbeat(f"[{i}/{len(selected)}] {case.id}"))
         _progress(i, len(selected), f"{'PASS' if res.passed else 'FAIL'} {case.id}"
                   + ("" if res.passed else ": " + "; ".join(res.failures)))
         results.append(res)
@@ -574,7 +599,13 @@ def _run_probe(args: argparse.Namespace) -> int:
 
 def add_floor_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `floor --backend cpu|cuda [--device NAME] [--mode grad|test] [--op OP] [--no-stock] [--no-ctest]`."""
-    parser = subparsers.add_parser("floor", help="ggml's own tests: the patched tree no worse than stock, op for op")
+    parser = subparsers.add_parser(
+        "floor", help="ggml's own tests: the patched tree no worse than stock, op for op",
+        description="Builds both trees with ggml's tests (when not built yet: minutes each), runs ctest on both, then "
+                    "test-backend-ops once per op on both, a progress line per op on stderr. Expected on a 2-core "
+                    "machine: the per-op grad pass measured 2 min for one tree (126 ops, MUL_MAT 86 s of it), so "
+                    "4-5 min for both plus 2 reruns of each op that differs; a whole run, builds included, was seen "
+                    "at about 38 min (an estimate from parts, not a timed full run).")
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="what both trees are built for")
     parser.add_argument("--device", default=None, help="test-backend-ops -b (default: CPU, or CUDA0 for cuda)")
     parser.add_argument("--mode", dest="modes", action="append", choices=("grad", "test"),
@@ -597,9 +628,11 @@ def _run_floor(args: argparse.Namespace) -> int:
     stock = None if args.no_stock else build.build_stock(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)
     bad = False
     if not args.no_ctest:
+        print("hotggml: floor: ctest on the patched build ...", file=sys.stderr, flush=True)
         n, failed = floor.ctest_failures(patched, args.jobs)
         line = f"ctest patched: {n - len(failed)}/{n} passed" + (f" (failed: {', '.join(failed)})" if failed else "")
         if stock is not None:
+            print("hotggml: floor: ctest on the stock build ...", file=sys.stderr, flush=True)
             n_s, failed_s = floor.ctest_failures(stock, args.jobs)
             only = sorted(set(failed) - set(failed_s))
             line += f"; stock: {n_s - len(failed_s)}/{n_s} passed; failing only when patched: {only or 'none'}"
@@ -608,11 +641,10 @@ def _run_floor(args: argparse.Namespace) -> int:
             bad |= bool(failed)
         print(line, flush=True)
     for mode in modes:
-        if stock is None:
-            verdicts = [floor.judge(op, None, floor.run_op(patched.test_backend_ops, mode, device, op))
-                        for op in (args.ops or floor.list_ops(patched.test_backend_ops))]
-        else:
-            verdicts = floor.compare_ops(stock, patched, mode, device, args.ops)
+        def progress(done: int, total: int, verdict, seconds: float, mode=mode) -> None:
+            _progress(done, total, f"{mode} {floor.verdict_line(verdict)} ({seconds:.0f} s)")
+
+        verdicts = floor.compare_ops(stock, patched, mode, device, args.ops, progress=progress)
         print(floor.format_ops(verdicts, mode, device), flush=True)
         bad |= any(not v.ok for v in verdicts)
     return 1 if bad else 0

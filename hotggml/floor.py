@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,23 +138,42 @@ def judge(op: str, stock: OpRun | list[OpRun] | None, patched: OpRun | list[OpRu
     return v
 
 
-def compare_ops(stock: TestBuild, patched: TestBuild, mode: str, device: str,
-                ops: list[str] | None = None, reruns: int = 2) -> list[OpVerdict]:
+Progress = Callable[[int, int, "OpVerdict", float], None]  # (done, total, verdict, seconds of that op)
+
+
+def compare_ops(stock: TestBuild | None, patched: TestBuild, mode: str, device: str,
+                ops: list[str] | None = None, reruns: int = 2, progress: Progress | None = None) -> list[OpVerdict]:
     """Every op (or ``ops``) of the patched program, in ``mode`` on ``device``, against stock; an op
-    that differs is run ``reruns`` more times on both arms before it is called a regression."""
-    stock_ops = set(list_ops(stock.test_backend_ops))
+    that differs is run ``reruns`` more times on both arms before it is called a regression. Without a
+    stock build (None), the patched runs alone: every case run must pass. ``progress`` is called after
+    each op (a run over every op takes tens of minutes)."""
+    stock_ops = set(list_ops(stock.test_backend_ops)) if stock is not None else set()
+    names = ops or list_ops(patched.test_backend_ops)
     verdicts = []
-    for op in ops or list_ops(patched.test_backend_ops):
-        base = [run_op(stock.test_backend_ops, mode, device, op)] if op in stock_ops else []
-        mine = [run_op(patched.test_backend_ops, mode, device, op)]
-        v = judge(op, base, mine)
-        if base and not v.ok:
-            for _ in range(reruns):
-                base.append(run_op(stock.test_backend_ops, mode, device, op))
-                mine.append(run_op(patched.test_backend_ops, mode, device, op))
+    for i, op in enumerate(names, start=1):
+        t0 = time.monotonic()
+        if stock is None:
+            v = judge(op, None, run_op(patched.test_backend_ops, mode, device, op))
+        else:
+            base = [run_op(stock.test_backend_ops, mode, device, op)] if op in stock_ops else []
+            mine = [run_op(patched.test_backend_ops, mode, device, op)]
             v = judge(op, base, mine)
+            if base and not v.ok:
+                for _ in range(reruns):
+                    base.append(run_op(stock.test_backend_ops, mode, device, op))
+                    mine.append(run_op(patched.test_backend_ops, mode, device, op))
+                v = judge(op, base, mine)
         verdicts.append(v)
+        if progress is not None:
+            progress(i, len(names), v, time.monotonic() - t0)
     return verdicts
+
+
+def verdict_line(v: OpVerdict) -> str:
+    """A short account of one op's verdict: its patched cases and the outcome (for progress lines)."""
+    n = {s: sum(1 for x in v.patched.cases.values() if x == s) for s in _RANK}
+    what = "ok" if v.ok else "REGRESSION"
+    return f"{v.op}: {n['ok']} ok, {n['fail']} fail" + (" (aborted)" if v.patched.crashed else "") + f": {what}"
 
 
 def ctest_failures(build: TestBuild, jobs: int | None = None, timeout: int = 1800) -> tuple[int, list[str]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -253,11 +254,12 @@ def run_chain(case: Case, backend: Backend) -> ArmResult:
                          dk=g.grad(h.k), dv=g.grad(h.v), seconds=secs)
 
 
-def run_oracle(case: Case) -> ArmResult:
+def run_oracle(case: Case, progress: Callable[[str], None] | None = None) -> ArmResult:
     """The float64 reference, one query head at a time (hotggml.oracle on a single head and its kv
     head), so memory holds one head's (S, Skv) matrices: the long-context chunk fits. Heads run on a
     thread pool (NumPy releases the GIL in BLAS and ufuncs) sized by cores and free memory; dK/dV of a
-    kv head are the sum over its query heads, added in head order whatever the completion order."""
+    kv head are the sum over its query heads, added in head order whatever the completion order.
+    ``progress`` is told of each head as it is collected (the chunk's heads take most of a minute each on 2 cores)."""
     x = case.inputs()
     mask = case.mask_array()
     dlse = None if x["dlse"] is None else x["dlse"].transpose(0, 2, 1)
@@ -272,8 +274,12 @@ def run_oracle(case: Case) -> ArmResult:
                                                  None if dlse is None else dlse[:, one])
 
     t0 = time.perf_counter()
+    per_head = []
     with ThreadPoolExecutor(max_workers=_oracle_workers(case)) as pool:
-        per_head = list(pool.map(head, range(Nh)))
+        for h, result in enumerate(pool.map(head, range(Nh)), start=1):
+            per_head.append(result)
+            if progress is not None:
+                progress(f"oracle head {h}/{Nh} ({time.perf_counter() - t0:.0f} s)")
     o = np.concatenate([r[0] for r in per_head], axis=1)
     lse = np.concatenate([r[1] for r in per_head], axis=1)
     dq = np.concatenate([r[2] for r in per_head], axis=1)
@@ -368,9 +374,11 @@ def _exact_checks(case: Case, fused: ArmResult, ref: ArmResult, kernel: str) -> 
 
 
 def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, prec: str = "f32",
-             with_chain: bool = True) -> CaseResult:
+             with_chain: bool = True, progress: Callable[[str], None] | None = None) -> CaseResult:
     """All arms of one case; the fused arm runs once per CPU thread count (twice on another device)
-    and every run must be bitwise identical."""
+    and every run must be bitwise identical. ``progress`` is told of each arm as it ends (and of the oracle's
+    heads): one case of the field set runs for minutes on a CPU."""
+    say = progress or (lambda text: None)
     threads = threads or ([None] if device.upper() == "CPU" else [None, None])
     info = library_info()
     with Backend(device) as be:  # fail fast, by name, before any arm runs; the path the library reports
@@ -378,12 +386,14 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         device_name = be.device_name
     res = CaseResult(case.id, case.shape, device, path.precision, info["pin"], info["series_hash"],
                      threads=list(threads), kernel=path.kernel, bar=BARS[path.precision])
-    ref = run_oracle(case)
+    ref = run_oracle(case, progress)
     res.seconds["oracle"] = ref.seconds
+    say(f"oracle done ({ref.seconds:.1f} s)")
     fused_runs = []
     for n in threads:
         with Backend(device, n_threads=n) as be:
             fused_runs.append(run_fused(case, be, "f32" if prec == "f32" else "default"))
+        say(f"fused{'' if n is None else f' at {n} thread(s)'} done ({fused_runs[-1].seconds:.1f} s)")
     fused = fused_runs[0]
     res.seconds["fused"] = fused.seconds
     res.placement, res.n_splits = fused.placement, fused.n_splits
@@ -394,6 +404,7 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         with Backend(device, n_threads=threads[-1]) as be:
             chain = run_chain(case, be)
         res.seconds["chain"] = chain.seconds
+        say(f"chain done ({chain.seconds:.1f} s)")
         # the chain has no LSE: with an LSE term in the loss only its O is comparable
         res.errors["chain~oracle"] = _compare(chain, ref, live, grads=not case.lse_loss, floors=floors)
         res.errors["fused~chain"] = _compare(fused, chain, live, grads=not case.lse_loss, floors=floors)

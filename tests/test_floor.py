@@ -66,3 +66,31 @@ def test_judge_over_reruns_separates_flaky_from_regressed():
     assert [r.split(":")[0] for r in v.regressions] == ["OP(x=a)"] and v.flaky == ["OP(x=b)"]
     # a case stock itself fails in some run is no floor at all
     assert floor.judge("OP", [_run(a="ok"), _run(a="fail")], [_run(a="fail"), _run(a="fail")]).ok
+
+
+def _fake_program(path, ops: dict[str, str]) -> "Path":
+    """A stand-in test-backend-ops: --list-ops names ops; `grad -o OP -b DEVICE` prints OP's case lines."""
+    lines = ["#!/bin/sh", 'if [ "$1" = --list-ops ]; then', "  echo 'Available ops:'"]
+    lines += [f"  echo '  {op}'" for op in ops] + ["  exit 0", "fi", 'case "$3" in']
+    lines += [f"  {op}) printf '%s\\n' '  {op}(x=1): {status}' ;;" for op, status in ops.items()] + ["esac"]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_compare_ops_reports_each_op_as_it_ends(tmp_path):
+    """The per-op loop runs for tens of minutes on two cores: progress after each op, in order, with its verdict."""
+    from hotggml.build import TestBuild
+
+    ops = {"ADD": "OK", "SUM": "FAIL", "MUL": "OK"}
+    stock = TestBuild("stock", tmp_path, _fake_program(tmp_path / "stock", dict.fromkeys(ops, "OK")))
+    patched = TestBuild("patched", tmp_path, _fake_program(tmp_path / "patched", ops))
+    seen = []
+    verdicts = floor.compare_ops(stock, patched, "grad", "CPU", progress=lambda *a: seen.append(a), reruns=0)
+    assert [(done, total, v.op) for done, total, v, _ in seen] == [(1, 3, "ADD"), (2, 3, "SUM"), (3, 3, "MUL")]
+    assert [v.ok for v in verdicts] == [True, False, True] and all(s >= 0 for *_, s in seen)
+    assert floor.verdict_line(seen[1][2]).endswith("REGRESSION")
+    # without a stock build the patched program alone is judged, op by op too
+    seen.clear()
+    assert [v.ok for v in floor.compare_ops(None, patched, "grad", "CPU", progress=lambda *a: seen.append(a))] \
+        == [True, False, True] and len(seen) == 3

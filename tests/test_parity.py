@@ -177,3 +177,16 @@ def test_backward_stands_alone(lib, cpu, case_id):
     live = ~parity.oracle.masked_rows(case.mask_array(), case.B, case.S)
     errs = parity._compare(alone, ref, live)
     assert max(errs.values()) <= parity.BARS["f32"], errs
+
+
+def test_the_parity_command_says_where_a_long_case_is(lib, monkeypatch, capsys):
+    """A field-set case runs for minutes on a CPU: each arm (and each oracle head) is reported on stderr as it
+    ends, once the heartbeat's interval has passed (zero here, so every step shows)."""
+    from hotggml import cli
+
+    monkeypatch.setattr(cli._Heartbeat, "EVERY_S", 0.0)
+    assert cli.main(["parity", "-p", "^gqa-band$", "--threads", "1,2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    steps = [line.split(": ", 1)[1].split(" (")[0] for line in err if line.startswith("[1/1] gqa-band: ")]
+    assert steps == ["oracle head 1/4", "oracle head 2/4", "oracle head 3/4", "oracle head 4/4", "oracle done",
+                     "fused at 1 thread(s) done", "fused at 2 thread(s) done", "chain done"]
