@@ -79,6 +79,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # git's own failure that no module put in words: still one line, never a traceback
+        if type(exc).__name__ != "GitCommandError":
+            raise
+        print(f"hotggml: error: {git_failure(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def git_failure(exc: Exception) -> str:
+    """One line for a git.exc.GitCommandError: the git command, its exit status and the first line git wrote."""
+    command = getattr(exc, "command", None)
+    words = [str(w) for w in command] if isinstance(command, (list, tuple)) else [str(command or "git")]
+    shown = " ".join(w for w in words if not w.startswith("-c") and "=" not in w)[:120]
+    stderr = getattr(exc, "stderr", "") or ""
+    stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else str(stderr)
+    lines = [line.strip() for line in stderr.replace("stderr:", "").strip().strip("'").splitlines() if line.strip()]
+    return f"`{shown}` failed (exit {getattr(exc, 'status', '?')}): {lines[0] if lines else 'no message'}"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

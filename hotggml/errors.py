@@ -9,6 +9,10 @@ class PinError(HotggmlError):
     """The pinned ggml source is missing, unreachable, tampered with or dirty."""
 
 
+class UnsafeDirectoryError(HotggmlError):
+    """git refuses a repository owned by another user (its safe.directory check: "dubious ownership")."""
+
+
 class PatchError(HotggmlError):
     """A patch in the series is malformed (CRLF, no name), does not apply, or misses a marker."""
 

@@ -7,18 +7,27 @@ change commit ids and exported bytes from one machine to the next. Line endings 
 pinned per repository (core.autocrlf=false, core.eol=lf).
 
 Errors from git surface as git.exc.GitCommandError; callers translate them into
-hotggml errors with a message that says what to do.
+hotggml errors with a message that says what to do. One is translated here, for every
+caller: git's refusal of a repository owned by another user ("dubious ownership") is
+UnsafeDirectoryError, naming the folder and how to allow it; the safe.directory entries
+of the user's global and system config are passed to every command (-c), since the
+isolation above would otherwise hide them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
+import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import git
+
+from hotggml.errors import UnsafeDirectoryError
 
 ISOLATED_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
 LF_CONFIG = {"core.autocrlf": "false", "core.eol": "lf"}
@@ -47,24 +56,69 @@ class Identity:
         return env
 
 
+_DUBIOUS_RE = re.compile(r"detected dubious ownership in repository at '([^']*)'")
+
+
+@functools.lru_cache(maxsize=1)
+def user_safe_directories() -> tuple[str, ...]:
+    """The safe.directory values of the user's global and system git config (read once, as the user's own git
+    reads them): the folders the user allows git to work in although another user owns them."""
+    found: list[str] = []
+    for scope in ("--system", "--global"):
+        try:
+            done = subprocess.run(["git", "config", scope, "--get-all", "safe.directory"], capture_output=True,
+                                 text=True, cwd=os.path.abspath(os.sep), timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            found += [line for line in done.stdout.splitlines() if line]
+    return tuple(found)
+
+
+def dubious_ownership(stderr: str, where: Path | str) -> UnsafeDirectoryError | None:
+    """The UnsafeDirectoryError for git's safe.directory refusal in ``stderr`` (None when it is not that one):
+    the folder git names (else ``where``) and the command that allows it."""
+    if "dubious ownership" not in stderr:
+        return None
+    match = _DUBIOUS_RE.search(stderr)
+    folder = match.group(1) if match else str(where)
+    return UnsafeDirectoryError(
+        f"git refuses to work in {folder}: it is owned by another user than the one running hotggml (git's "
+        f"safe.directory check, 'dubious ownership'); if you trust it, allow it with `git config --global --add "
+        f"safe.directory {folder}` and run this again, or run hotggml as the folder's owner")
+
+
+def safe_directory_args() -> list[str]:
+    """``-c safe.directory=...`` for each of user_safe_directories(): a git command run here honours them."""
+    return [arg for value in user_safe_directories() for arg in ("-c", f"safe.directory={value}")]
+
+
 def run(repo: git.Repo | Path | str, *args: str, env: Mapping[str, str] | None = None,
         config: Mapping[str, str] | None = None, as_bytes: bool = False) -> str | bytes:
     """Run `git [-c k=v ...] args...` in a repository or folder and return its stdout.
 
     Text output loses its final newline; bytes output (as_bytes) is returned untouched.
-    Raises git.exc.GitCommandError when git exits non-zero.
+    Raises UnsafeDirectoryError when git refuses the repository for its owner (dubious_ownership),
+    git.exc.GitCommandError when git exits non-zero otherwise.
     """
     cwd = repo.working_tree_dir if isinstance(repo, git.Repo) else str(repo)
-    command = ["git"]
+    command = ["git", *safe_directory_args()]
     for key, value in (config or {}).items():
         command += ["-c", f"{key}={value}"]
     command += list(args)
     full_env = dict(ISOLATED_ENV)
     full_env.update(env or {})
     runner = git.Git(cwd)
-    if as_bytes:
-        return runner.execute(command, env=full_env, stdout_as_string=False, strip_newline_in_stdout=False)
-    return runner.execute(command, env=full_env)
+    try:
+        if as_bytes:
+            return runner.execute(command, env=full_env, stdout_as_string=False, strip_newline_in_stdout=False)
+        return runner.execute(command, env=full_env)
+    except git.exc.GitCommandError as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        unsafe = dubious_ownership(stderr, cwd)
+        if unsafe is not None:
+            raise unsafe from None
+        raise
 
 
 def open_repo(path: Path | str) -> git.Repo | None:

@@ -107,6 +107,9 @@ def _git_index(root: Path | str, *args: str) -> subprocess.CompletedProcess:
     except FileNotFoundError:
         raise PinError("git is not installed (the checkout's gitlink is read with it)") from None
     if run.returncode != 0:
+        unsafe = gitutil.dubious_ownership(run.stderr, root)
+        if unsafe is not None:
+            raise unsafe
         why = (run.stderr.strip().splitlines() or ["no message"])[0]
         raise PinError(f"git {args[0]} in {root} failed: {why}")
     return run

@@ -176,3 +176,47 @@ def test_tooling_without_gitpython_is_one_error_line(args):
     assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hotggml: error:") and "GitPython" in lines[0], run.stderr
+
+
+def test_a_repository_git_refuses_for_its_owner_is_one_line_naming_it_and_the_fix(tmp_path):
+    """git's safe.directory refusal ("dubious ownership") of vendor/ggml or the work repo, from every command that
+    reaches them: one `hotggml: error:` line naming the folder and the `git config --global --add safe.directory`
+    that allows it (it was a GitCommandError traceback, or `patches apply`'s false "vendor/ggml has no commit"),
+    and that command, run as the line says, is enough. git is made to take every repository for another user's
+    (GIT_TEST_ASSUME_DIFFERENT_OWNER, git's own switch for its tests), the checkout itself allowed."""
+    sdist = next((p for p in (os.environ.get(pin.SDIST_ENV), paths.cache_dir() / pin.SDIST_FILE)
+                  if p and os.path.isfile(p)), None)
+    if sdist is None:
+        pytest.skip("no cached pinned sdist")
+    repo, home = tmp_path / "repo", tmp_path / "home"
+    home.mkdir()
+    subprocess.run(["git", "clone", "--quiet", str(paths.REPO_ROOT), str(repo)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(repo), paths.STATE_ENV: str(tmp_path / "state"), pin.SDIST_ENV: str(sdist),
+           "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+    env.pop("GIT_CONFIG_GLOBAL", None)
+
+    def hotggml(*args: str, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hotggml", *args], cwd=repo, env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    for args in (["fetch"], ["patches", "apply"]):
+        assert hotggml(*args).returncode == 0
+    allow = lambda folder: subprocess.run(["git", "config", "--global", "--add", "safe.directory", folder],
+                                          env=env, check=True)
+    allow(str(repo))
+    env["GIT_TEST_ASSUME_DIFFERENT_OWNER"] = "1"
+    vendor, work = str((repo / "vendor" / "ggml").resolve()), str((tmp_path / "state" / "work" / "ggml").resolve())
+    for args, folder in ((["fetch"], vendor), (["patches", "apply"], vendor), (["patches", "check"], vendor),
+                         (["build", "--backend", "cpu"], vendor), (["patches", "export"], work),
+                         (["patches", "status"], work), (["pin", "set", "HEAD"], work)):
+        run = hotggml(*args)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == cli.EXIT_ERROR and len(lines) == 1, (args, run.stderr[-2000:])
+        assert lines[0].startswith(f"hotggml: error: git refuses to work in {folder}: ") and "dubious ownership" in \
+            lines[0] and f"`git config --global --add safe.directory {folder}`" in lines[0], (args, lines[0])
+    allow(vendor)
+    assert hotggml("fetch").returncode == 0
+    assert f"safe.directory {work}`" in hotggml("patches", "apply").stderr
+    allow(work)
+    run = hotggml("patches", "apply")
+    assert run.returncode == 0 and "already applied" in run.stdout, run.stderr
