@@ -3,7 +3,8 @@
 The pin is ggml v0.15.3. These machines reach PyPI but not GitHub, so besides an
 initialized submodule the source may be the ggml-python 0.0.45 sdist, which carries
 the same tree under vendor/ggml/. Whatever the source, the tree is accepted only when
-the git tree hashes of src, include, cmake, tests and CMakeLists.txt equal upstream's.
+the git tree hashes of src, include, cmake, tests and CMakeLists.txt equal upstream's, and the
+whole tree's hash is the one fetch commits from the pin's source (or HEAD is upstream's commit).
 
 A tree materialized from the sdist is committed with a fixed identity, date and
 message, so its commit id is the same on every machine (patch commits on top are then
@@ -32,7 +33,7 @@ import git
 from hotggml import gitutil, paths, procs
 from hotggml.errors import PinError
 from hotggml.pin_record import (  # noqa: F401 (the pin's constants live there; re-exported)
-    RECORD, SDIST_ENV, SDIST_FILE, SDIST_PIN_COMMIT, SDIST_PREFIX, SDIST_REQUIREMENT, SDIST_SHA256, TAG, TREES,
+    RECORD, SDIST_ENV, SDIST_FILE, SDIST_PIN_COMMIT, SDIST_PREFIX, SDIST_REQUIREMENT, SDIST_SHA256, TAG, TREE, TREES,
     UPSTREAM_COMMIT, pin_message,
 )
 
@@ -206,8 +207,12 @@ def _fix_source(record: dict) -> str:
 
 
 def _check_trees(repo: git.Repo, where: str, fix: str, record: dict | None = None) -> None:
+    """The committed tree at HEAD is the pin's: the named trees first (the clearer message), then the whole tree
+    (record["tree"], every path: `patches apply` clones all of it into the work tree that is built), unless HEAD
+    is upstream's own commit (a submodule checkout of upstream: its tree is upstream's by definition)."""
     record = record or RECORD
-    if gitutil.rev_parse(repo, "HEAD") is None:
+    head = gitutil.rev_parse(repo, "HEAD")
+    if head is None:
         raise PinError(f"{where} has no commit: {fix}")
     found = gitutil.tree_entries(repo, "HEAD", list(record["trees"]))
     for name, expected in record["trees"].items():
@@ -215,6 +220,21 @@ def _check_trees(repo: git.Repo, where: str, fix: str, record: dict | None = Non
         if actual != expected:
             raise PinError(f"pinned ggml tree {name!r} is {actual or 'missing'}, expected {expected} "
                            f"(ggml {record['tag']}) in {where}: {fix}")
+    tree = gitutil.rev_parse(repo, "HEAD^{tree}")
+    if head != record["upstream_commit"] and tree != record["tree"]:
+        raise PinError(f"pinned ggml's whole tree is {tree}, expected {record['tree']} (ggml {record['tag']}) in "
+                       f"{where}: {_tree_difference(repo, record['tree'], tree)}; {fix}")
+
+
+def _tree_difference(repo: git.Repo, expected: str, actual: str) -> str:
+    """The paths that differ between two root trees, in words (the expected tree may be absent from repo)."""
+    try:
+        changed = gitutil.run(repo, "diff-tree", "-r", "--name-only", "--no-renames", "-z", expected, actual).split("\0")
+    except git.exc.GitCommandError:
+        top = [n for n in gitutil.run(repo, "ls-tree", "--name-only", "-z", actual).split("\0") if n]
+        return f"other files than the pin's (top level: {', '.join(top[:12])})"
+    changed = [name for name in changed if name]
+    return "changed: " + ", ".join(changed[:10]) + (f" (+{len(changed) - 10} more)" if len(changed) > 10 else "")
 
 
 def _check_clean(repo: git.Repo, path: Path) -> None:

@@ -4,7 +4,8 @@ onto a new pin ends well, and nothing else does. Read without git (the binding c
 against the commit here).
 
 Record fields: ``tag`` (a label), ``upstream_commit`` (upstream's commit id, or the materialized commit for a
-pin without one), ``trees`` (git tree hashes of src, include, cmake, tests, CMakeLists.txt), ``source``
+pin without one), ``trees`` (git tree hashes of src, include, cmake, tests, CMakeLists.txt), ``tree`` (the git
+tree hash of the whole tree fetch commits from the source: every path, so a change anywhere is seen), ``source``
 (``kind`` "sdist" or "tarball", ``file``, ``sha256``, ``prefix`` of the ggml tree inside it, and for an sdist
 the pip ``requirement`` that fetches it), ``pin_commit`` (the commit fetch makes from the source: fixed
 identity, date and message, so the same on every machine).
@@ -26,7 +27,7 @@ TREE_NAMES = ("src", "include", "cmake", "tests", "CMakeLists.txt")
 def read(path: Path | str = RECORD_FILE) -> dict:
     """The record at path (default the package's pin.json), checked for its fields."""
     record = json.loads(Path(path).read_text())
-    missing = [k for k in ("tag", "upstream_commit", "trees", "source", "pin_commit") if k not in record]
+    missing = [k for k in ("tag", "upstream_commit", "trees", "tree", "source", "pin_commit") if k not in record]
     missing += [f"source.{k}" for k in ("kind", "file", "sha256", "prefix") if k not in record.get("source", {})]
     missing += [f"trees.{k}" for k in TREE_NAMES if k not in record.get("trees", {})]
     if missing:
@@ -56,6 +57,7 @@ RECORD: dict = _RECORD
 TAG: str = _RECORD["tag"]
 UPSTREAM_COMMIT: str = _RECORD["upstream_commit"]
 TREES: dict[str, str] = dict(_RECORD["trees"])
+TREE: str = _RECORD["tree"]
 SDIST_REQUIREMENT: str | None = _RECORD["source"].get("requirement")
 SDIST_FILE: str = _RECORD["source"]["file"]
 SDIST_SHA256: str = _RECORD["source"]["sha256"]

@@ -79,6 +79,7 @@ def _record_for_tarball(tarball: Path, tag: str | None, upstream: str | None) ->
         "tag": tag or Path(tarball).name.removesuffix(".tar.gz").removesuffix(".tgz"),
         "upstream_commit": upstream or root_tree,  # without upstream's id, the tree's own (hex, stable)
         "trees": trees,
+        "tree": root_tree,
         "source": {"kind": "tarball", "file": Path(tarball).name, "sha256": pin.sha256_of(tarball), "prefix": prefix},
         "pin_commit": "",
     }
@@ -99,6 +100,7 @@ def _record_for_commit(commit: str, tag: str | None) -> tuple[dict, Path]:
     if missing:
         raise PinError(f"commit {sha[:12]} lacks {', '.join(missing)}: not a ggml tree")
     record = {"tag": tag or sha[:12], "upstream_commit": sha, "trees": trees,
+              "tree": gitutil.run(repo, "rev-parse", f"{sha}^{{tree}}"),
               "source": {"kind": "commit", "file": "", "sha256": "", "prefix": ""}, "pin_commit": sha}
     return record, paths.VENDOR_DIR
 

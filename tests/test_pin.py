@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from hotggml import gitutil, paths, pin
+from hotggml import gitutil, patches, paths, pin
 from hotggml.errors import PinError
 
 LOCAL_SDIST = Path("/tmp/dl") / pin.SDIST_FILE
@@ -93,6 +94,28 @@ def test_tampered_tree_is_refused_naming_the_tree(pristine, tmp_path, path, tree
     commit_all(copy)
     with pytest.raises(PinError, match=f"pinned ggml tree '{tree}' is [0-9a-f]{{40}}, expected {pin.TREES[tree]}"):
         pin.verify(copy)
+
+
+@pytest.mark.parametrize("path", ["ggml.pc.in", "examples/CMakeLists.txt", "scripts/release.sh", "docs/new-file.md"])
+def test_a_committed_change_outside_the_named_trees_is_refused_naming_the_path(pristine, tmp_path, path):
+    """The whole tree is verified: `patches apply` clones every path of vendor/ggml into the tree that is built, so
+    a top-level file, examples/, scripts/ or a new file changed by a commit is no pin (it was 'verified' before)."""
+    copy = clone(pristine, tmp_path / "ggml")
+    with open(copy / path, "a") as handle:
+        handle.write("\n# tampered\n")
+    commit_all(copy)
+    with pytest.raises(PinError, match=f"pinned ggml's whole tree is [0-9a-f]{{40}}, expected {pin.TREE} .*changed: "
+                                       f"{re.escape(path)}; .*--force"):
+        pin.verify(copy)
+    with pytest.raises(PinError, match="whole tree"):
+        pin.fetch(dest=copy, use_pip=False)
+    with pytest.raises(PinError, match="whole tree"):
+        patches.apply(tmp_path / "work" / "ggml", pin_dir=copy)
+
+
+def test_the_whole_tree_hash_is_the_stock_sdists(pristine):
+    """pin.json's whole-tree hash is the tree fetch commits from the pinned sdist (the session pin was made so)."""
+    assert gitutil.rev_parse(gitutil.open_repo(pristine), "HEAD^{tree}") == pin.TREE
 
 
 def test_tampered_tree_is_replaced_only_with_force(pristine, sdist, tmp_path):
