@@ -58,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hotggml import paths
 
             paths.require_checkout(args.command)
+        if args.func in _DISTURB_A_PIN_SET:
+            from hotggml import rebase
+
+            rebase.refuse_if_in_progress(" ".join(args_list[:2] if args.command == "patches" else args_list[:1]))
         return int(args.func(args) or 0)
     except HotggmlError as exc:
         print(f"hotggml: error: {exc}", file=sys.stderr)
@@ -712,6 +716,10 @@ def _run_pin_set(args: argparse.Namespace) -> int:
     else:
         raise InputError("pin set needs a SOURCE, --continue or --abort")
     record = outcome.record
+    if outcome.status == "same":
+        print(f"pin set: {args.source} holds the tree of the current pin, ggml {record['tag']} (upstream "
+              f"{record['upstream_commit'][:12]}): nothing to do, nothing changed")
+        return EXIT_OK
     if outcome.status == "conflict":
         print(f"hotggml: pin set stopped: patch {outcome.patch} conflicts with ggml {record['tag']} in "
               f"{', '.join(outcome.files) or '(see git status)'}; resolve in {rebase.patches.default_tree()} "
@@ -721,3 +729,7 @@ def _run_pin_set(args: argparse.Namespace) -> int:
           "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced, its gitlink staged at "
           f"upstream {record['upstream_commit'][:12]}: commit patches/, hotggml/pin.json and vendor/ggml together")
     return EXIT_OK
+
+
+# what a pin set in progress holds half-moved: these refuse, naming it, until --continue or --abort
+_DISTURB_A_PIN_SET = (_run_fetch, _run_apply, _run_export, _run_check, _run_prepare, _run_build, _run_floor)

@@ -188,6 +188,26 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
     return FetchResult(dest, commit, source, changed=True)
 
 
+def restore(record: dict, head: str | None, dest: Path | str | None = None) -> None:
+    """Put back the pin of ``record`` at ``dest`` (default vendor/ggml), whose HEAD was ``head``, after a
+    replacement by fetch was interrupted or done (``hotggml pin set --abort``): the previous tree itself where
+    fetch's swap left it beside ``dest``, else the tree re-made from the record's source (the same commit: fetch's
+    is fixed by the source); fetch's temporary trees go either way. Nothing to do when ``dest`` is that pin."""
+    dest = Path(dest) if dest else paths.VENDOR_DIR
+    head_of = lambda path: (gitutil.rev_parse(r, "HEAD") if (r := gitutil.open_repo(path)) is not None else None)
+    with paths.lock(dest):
+        old = dest.with_name(f".{dest.name}.old")
+        if head is not None and head_of(dest) != head and old.is_dir() and head_of(old) == head:
+            if dest.exists():
+                aside = dest.with_name(f".{dest.name}.tmp-restore")
+                procs.remove_tree(aside)
+                os.rename(dest, aside)
+            os.rename(old, dest)
+        _remove_stale_temps(dest)
+    if head is None or head_of(dest) != head:
+        fetch(force=True, record=record, dest=dest)
+
+
 # -- verification -------------------------------------------------------------------------
 
 def _open(path: Path) -> git.Repo:

@@ -41,11 +41,27 @@ class Outcome:
 
 
 def state_dir() -> Path:
+    """The folder holding a pin set in progress: state.json and the series as it was."""
     return paths.state_dir() / STATE_NAME
 
 
 def in_progress() -> bool:
+    """Whether a pin set was started and neither finished nor aborted (stopped at a conflict, or killed)."""
     return (state_dir() / "state.json").is_file()
+
+
+def refuse_if_in_progress(command: str) -> None:
+    """Raise PinError naming the pin set in progress: `command` would change or use the pin, series or work repo
+    it holds half-moved (fetch, patches apply / export / check, build)."""
+    if not in_progress():
+        return
+    try:
+        tag = _read_state()["record"]["tag"]
+    except (PinError, KeyError, ValueError):
+        tag = "a new pin"
+    raise PinError(f"a `hotggml pin set` to ggml {tag} is in progress (stopped at a conflict, or interrupted): "
+                   f"`hotggml {command}` would work on its half-moved pin, series or work repo; finish it with "
+                   "`hotggml pin set --continue` or undo it with `hotggml pin set --abort` first")
 
 
 # -- the new pin ----------------------------------------------------------------------------
@@ -110,6 +126,11 @@ def _record_for_commit(commit: str, tag: str | None) -> tuple[dict, Path]:
 def start(source: str, *, tag: str | None = None, upstream: str | None = None) -> Outcome:
     """Rebase the series onto the pin made from source (a tarball path, or a commit of vendor/ggml).
 
+    A source whose tree is the current pin's (its own sdist, the vendor tree's HEAD, upstream's commit) changes
+    nothing: Outcome 'same'. Otherwise the pin set is a transaction: state.json (written before the rebase
+    starts) holds what --abort needs to put back the record, patches/, vendor/ggml (and its gitlink) and the
+    work repo as they were, from any point, a kill -9 included; --continue finishes from any point of _finish.
+
     Raises PinError (a bad source, a rebase already in progress) and PatchError (a work repo with
     uncommitted changes or commits not exported, which the rebase would carry or lose).
     """
@@ -121,6 +142,11 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     is_tarball = Path(source).is_file()
     record, origin = (_record_for_tarball(Path(source), tag, upstream) if is_tarball
                       else _record_for_commit(source, tag))
+    current = pin_record.read()
+    if record["tree"] == current["tree"] or record["upstream_commit"] == current["upstream_commit"]:
+        if is_tarball:
+            shutil.rmtree(origin, ignore_errors=True)
+        return Outcome("same", current)  # never a record of the same tree under an invented identity
     state = state_dir()
     if state.exists():
         shutil.rmtree(state)
@@ -136,7 +162,12 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
                 config={"uploadpack.allowAnySHA1InWant": "true"})
     if is_tarball:
         shutil.rmtree(origin, ignore_errors=True)
-    _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD")})
+    vendor = gitutil.open_repo(paths.VENDOR_DIR)
+    _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD"),
+                  "old_config": {key: gitutil.config_get(repo, key)
+                                 for key in (patches.CONFIG_SERIES, patches.CONFIG_PIN, patches.CONFIG_HEAD)},
+                  "old_record": pin_record.RECORD_FILE.read_text(), "old_gitlink": pin.gitlink(),
+                  "old_vendor_head": gitutil.rev_parse(vendor, "HEAD") if vendor is not None else None})
     return _rebase(repo, ["rebase", "--committer-date-is-author-date", "--onto", NEW_PIN_REF, old_pin,
                           patches.WORK_BRANCH], record)
 
@@ -157,17 +188,39 @@ def resume() -> Outcome:
 
 
 def abort() -> dict:
-    """--abort: the previous pin record, series and work repo, byte for byte. Returns the kept record."""
+    """--abort: the previous pin record (and the gitlink), series, vendor/ggml and work repo, byte for byte, from
+    wherever the pin set stopped (a conflict, or a kill at any point: every step here can be redone, and the
+    state goes last). Returns the restored record."""
     state = _read_state()
     repo = gitutil.open_repo(patches.default_tree())
     if repo is not None:
-        if (Path(repo.git_dir) / "rebase-merge").is_dir() or (Path(repo.git_dir) / "rebase-apply").is_dir():
-            gitutil.run(repo, "rebase", "--abort")
-        gitutil.run(repo, "checkout", "--quiet", "-B", patches.WORK_BRANCH, state["old_head"])
+        git_dir = Path(repo.git_dir)
+        if (git_dir / "rebase-merge").is_dir() or (git_dir / "rebase-apply").is_dir():
+            try:
+                gitutil.run(repo, "rebase", "--abort")
+            except git.exc.GitCommandError:  # a rebase killed mid-step: its leftovers go, the checkout below resets
+                shutil.rmtree(git_dir / "rebase-merge", ignore_errors=True)
+                shutil.rmtree(git_dir / "rebase-apply", ignore_errors=True)
+        gitutil.run(repo, "checkout", "--quiet", "--force", "-B", patches.WORK_BRANCH, state["old_head"])
         gitutil.set_ref(repo, pin.PIN_REF, state["old_pin"])
         gitutil.run(repo, "update-ref", "-d", NEW_PIN_REF)
+        for key, value in state.get("old_config", {}).items():
+            if value is not None:
+                gitutil.config_set(repo, {key: value})
+            elif gitutil.config_get(repo, key) is not None:
+                gitutil.run(repo, "config", "--local", "--unset-all", key)
+        repo.close()
     _restore_patches(state_dir() / "patches")
-    shutil.rmtree(state_dir())
+    old_record = pin_record.RECORD
+    if "old_record" in state:
+        if pin_record.RECORD_FILE.read_text() != state["old_record"]:
+            _write_text_atomic(pin_record.RECORD_FILE, state["old_record"])
+        old_record = json.loads(state["old_record"])
+        if state.get("old_gitlink") and pin.gitlink() != state["old_gitlink"]:
+            pin.set_gitlink(state["old_gitlink"])
+        pin.restore(old_record, state.get("old_vendor_head"))
+    (state_dir() / "state.json").unlink()
+    shutil.rmtree(state_dir(), ignore_errors=True)
     return pin_record.read()
 
 
@@ -188,9 +241,9 @@ def _rebase(repo: git.Repo, args: list[str], record: dict) -> Outcome:
 
 def _finish(repo: git.Repo, record: dict) -> Outcome:
     """The rebase ended well: the work repo's pin ref moves, patches/ is re-exported, the record rewritten,
-    vendor/ggml replaced by the new pin; the state goes."""
+    vendor/ggml replaced by the new pin; the state goes, last. Every step can be redone: a _finish killed at any
+    point is finished by --continue (or undone by --abort)."""
     gitutil.set_ref(repo, pin.PIN_REF, record["pin_commit"])
-    gitutil.run(repo, "update-ref", "-d", NEW_PIN_REF)
     patches.export(tree=patches.default_tree())
     series = patches.series_hash()
     gitutil.config_set(repo, {patches.CONFIG_SERIES: series, patches.CONFIG_PIN: record["pin_commit"],
@@ -205,6 +258,10 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
                            "then `hotggml pin set --continue` stages the gitlink") from None
     if record["source"]["kind"] != "commit":
         pin.fetch(force=True, record=record)
+    work = gitutil.open_repo(patches.default_tree())
+    gitutil.run(work, "update-ref", "-d", NEW_PIN_REF)
+    work.close()
+    (state_dir() / "state.json").unlink()
     shutil.rmtree(state_dir(), ignore_errors=True)
     return Outcome("done", record)
 
@@ -234,13 +291,25 @@ def _restore_patches(saved: Path) -> None:
         if path.is_file() and not (saved / path.name).exists():
             path.unlink()
     for path in saved.iterdir():
-        shutil.copyfile(path, paths.PATCHES_DIR / path.name)
+        if not (paths.PATCHES_DIR / path.name).is_file() or (paths.PATCHES_DIR / path.name).read_bytes() != path.read_bytes():
+            _write_bytes_atomic(paths.PATCHES_DIR / path.name, path.read_bytes())
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def _write_state(state: dict) -> None:
-    tmp = state_dir() / f"state.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
-    tmp.replace(state_dir() / "state.json")
+    _write_text_atomic(state_dir() / "state.json", json.dumps(state, indent=1) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """path's new text, whole or not at all (a temporary file beside it, renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _read_state() -> dict:
