@@ -4,6 +4,7 @@ moments are not chosen by hooks in the code: a real SIGKILL, from outside, at in
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -83,3 +84,62 @@ def test_apply_recovers_after_kill_9(pristine, tmp_path, monkeypatch, delay):
     assert all(present for entry in patches.status(tree=dest) for _, present in entry.markers)
     assert gitutil.dirty_files(gitutil.open_repo(dest)) == []
     assert not [p for p in dest.parent.iterdir() if p.name != "ggml"]  # no half-built tree beside it
+
+
+# -- pin set ------------------------------------------------------------------------------------
+
+def _kill_when(command: list[str], cwd: Path, env: dict, moment, after: float = 0.0) -> bool:
+    """Run command; SIGKILL it `after` seconds past the first poll at which moment() is true (polled every 5 ms).
+    True when it was killed, False when it ended first."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and not moment():
+        time.sleep(0.005)
+    time.sleep(after)
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return True
+
+
+@pytest.mark.slow  # about 40 s: four pin sets killed, each aborted, one continued
+def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(sdist, tmp_path):
+    """`pin set` killed with SIGKILL at moments through the rebase and _finish (seen from outside: the state
+    appears, the series is re-exported, the record is rewritten, the new vendor tree is being made), then
+    `pin set --abort`: the record, patches/, vendor/ggml and the work repo are as they were, `git status` is
+    clean, no vendor/.ggml.tmp-* is left, fetch and patches apply work (the record was left new, the vendor tree
+    old before). Killed once more in _finish, `--continue` finishes the move."""
+    from test_rebase import _clone, _hotggml, _new_pin_tarball, _shift_above_hunk, _snapshot
+
+    repo, env = _clone(tmp_path, sdist)
+    state = tmp_path / "state"
+    before = _snapshot(repo, state)
+    tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _shift_above_hunk)
+    record, alloc = repo / "hotggml" / "pin.json", repo / "patches" / "alloc-free-blocks.patch"
+    temps = lambda: list((repo / "vendor").glob(".ggml.tmp-*"))
+    moments = {
+        "the rebase starts": (lambda: (state / "pin-set" / "state.json").is_file(), 0.0),
+        "the series is re-exported": (lambda: alloc.read_bytes() != before["patches"][alloc.name], 0.0),
+        "the record is rewritten": (lambda: record.read_bytes() != before["record"], 0.0),
+        "the new vendor tree is half made": (lambda: bool(temps()), 1.0),
+    }
+    command = [sys.executable, "-m", "hotggml", "pin", "set", str(tarball), "--tag", "next"]
+    for name, (moment, after) in moments.items():
+        assert _kill_when(command, repo, env, moment, after), f"pin set ended before {name}"
+        assert (state / "pin-set" / "state.json").is_file(), name
+        run = _hotggml(repo, env, "patches", "apply", "--force")  # a pin set in progress is named, nothing done
+        assert run.returncode == 2 and "a `hotggml pin set` to ggml next is in progress" in run.stderr, name
+        _hotggml(repo, env, "pin", "set", "--abort", check=True)
+        assert _snapshot(repo, state) == before, name
+        assert subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,
+                              check=True).stdout == "", name
+        assert not temps(), name
+        assert "verified" in _hotggml(repo, env, "fetch", check=True).stdout, name
+        assert "already applied" in _hotggml(repo, env, "patches", "apply", check=True).stdout, name
+
+    assert _kill_when(command, repo, env, moments["the record is rewritten"][0])
+    _hotggml(repo, env, "pin", "set", "--continue", check=True)
+    assert json.loads(record.read_text())["tag"] == "next" and not (state / "pin-set").exists()
+    assert "three lines inserted" in (repo / "vendor" / "ggml" / "src" / "ggml-alloc.c").read_text()
+    _hotggml(repo, env, "fetch", check=True)
+    _hotggml(repo, env, "patches", "check", check=True)

@@ -127,6 +127,12 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
     assert "patch alloc-free-blocks conflicts" in run.stderr and "src/ggml-alloc.c" in run.stderr
     assert "Traceback" not in run.stderr
     assert _hotggml(repo, env, "pin", "set", str(tarball)).returncode == 2  # one at a time
+    # what would disturb the pin set in progress refuses in one line naming it (--force discarded the rebase before)
+    for args in (["patches", "apply", "--force"], ["patches", "export"], ["patches", "check"], ["build"], ["fetch"]):
+        run = _hotggml(repo, env, *args)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1, (args, run.stderr[-2000:])
+        assert lines[0].startswith("hotggml: error: a `hotggml pin set` to ggml ggml-next is in progress"), args
     run = _hotggml(repo, env, "pin", "set", "--abort", check=True)
     assert _snapshot(repo, tmp_path / "state") == before
     _hotggml(repo, env, "patches", "check", check=True)
@@ -160,3 +166,15 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
         assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("hotggml: error:"), run.stderr[-2000:]
         assert f"{source} is not a readable tarball: {why}" in lines[0]
         assert _snapshot(repo, tmp_path / "state") == before
+
+
+def test_a_source_with_the_current_pins_tree_is_a_no_op_that_says_so(tmp_path, sdist):
+    """The pin's own sdist, or HEAD of vendor/ggml: nothing to move, so nothing changes (it was rewritten as a new
+    pin: tag ggml_python-0.0.45, upstream_commit a local commit, the pip requirement dropped)."""
+    repo, env = _clone(tmp_path, sdist)
+    before = _snapshot(repo, tmp_path / "state")
+    for source in (str(sdist), "HEAD"):
+        run = _hotggml(repo, env, "pin", "set", source, check=True)
+        assert "holds the tree of the current pin" in run.stdout and "nothing changed" in run.stdout
+        assert _snapshot(repo, tmp_path / "state") == before
+        assert not (tmp_path / "state" / "pin-set").exists()
