@@ -102,7 +102,7 @@ def _kill_when(command: list[str], cwd: Path, env: dict, moment, after: float = 
     return True
 
 
-@pytest.mark.slow  # about 40 s: four pin sets killed, each aborted, one continued
+@pytest.mark.slow  # about 45 s on 2 cores: four pin sets killed, each aborted, one continued
 def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(sdist, tmp_path):
     """`pin set` killed with SIGKILL at moments through the rebase and _finish (seen from outside: the state
     appears, the series is re-exported, the record is rewritten, the new vendor tree is being made), then
@@ -127,8 +127,9 @@ def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(s
     for name, (moment, after) in moments.items():
         assert _kill_when(command, repo, env, moment, after), f"pin set ended before {name}"
         assert (state / "pin-set" / "state.json").is_file(), name
-        run = _hotggml(repo, env, "patches", "apply", "--force")  # a pin set in progress is named, nothing done
-        assert run.returncode == 2 and "a `hotggml pin set` to ggml next is in progress" in run.stderr, name
+        if name == "the rebase starts":  # a pin set in progress is named, nothing done (test_rebase: every command)
+            run = _hotggml(repo, env, "patches", "apply", "--force")
+            assert run.returncode == 2 and "a `hotggml pin set` to ggml next is in progress" in run.stderr, name
         _hotggml(repo, env, "pin", "set", "--abort", check=True)
         assert _snapshot(repo, state) == before, name
         assert subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,

@@ -128,7 +128,7 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
     assert "Traceback" not in run.stderr
     assert _hotggml(repo, env, "pin", "set", str(tarball)).returncode == 2  # one at a time
     # what would disturb the pin set in progress refuses in one line naming it (--force discarded the rebase before)
-    for args in (["patches", "apply", "--force"], ["patches", "export"], ["patches", "check"], ["build"], ["fetch"]):
+    for args in (["patches", "apply", "--force"], ["patches", "export"], ["patches", "check"], ["build"]):
         run = _hotggml(repo, env, *args)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1, (args, run.stderr[-2000:])
@@ -153,9 +153,15 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
 
 def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_path, sdist):
     """pin set of a text file, an empty file, a truncated sdist: one `hotggml: error:` line, exit 2, no traceback,
-    the pin record, patches, vendor tree and work repo as they were."""
+    the pin record, patches, vendor tree and work repo as they were. The pin's own sdist, or HEAD of vendor/ggml:
+    nothing to move, a no-op that says so (it was rewritten as a new pin: tag ggml_python-0.0.45, upstream_commit
+    a local commit, the pip requirement dropped)."""
     repo, env = _clone(tmp_path, sdist)
     before = _snapshot(repo, tmp_path / "state")
+    for source in (str(sdist), "HEAD"):
+        run = _hotggml(repo, env, "pin", "set", source, check=True)
+        assert "holds the tree of the current pin" in run.stdout and "nothing changed" in run.stdout
+        assert _snapshot(repo, tmp_path / "state") == before and not (tmp_path / "state" / "pin-set").exists()
     text, empty, truncated = tmp_path / "passwd", tmp_path / "empty.tar.gz", tmp_path / "cut.tar.gz"
     text.write_text("root:x:0:0:root:/root:/bin/sh\n")
     empty.write_bytes(b"")
@@ -167,14 +173,3 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
         assert f"{source} is not a readable tarball: {why}" in lines[0]
         assert _snapshot(repo, tmp_path / "state") == before
 
-
-def test_a_source_with_the_current_pins_tree_is_a_no_op_that_says_so(tmp_path, sdist):
-    """The pin's own sdist, or HEAD of vendor/ggml: nothing to move, so nothing changes (it was rewritten as a new
-    pin: tag ggml_python-0.0.45, upstream_commit a local commit, the pip requirement dropped)."""
-    repo, env = _clone(tmp_path, sdist)
-    before = _snapshot(repo, tmp_path / "state")
-    for source in (str(sdist), "HEAD"):
-        run = _hotggml(repo, env, "pin", "set", source, check=True)
-        assert "holds the tree of the current pin" in run.stdout and "nothing changed" in run.stdout
-        assert _snapshot(repo, tmp_path / "state") == before
-        assert not (tmp_path / "state" / "pin-set").exists()
