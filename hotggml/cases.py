@@ -131,7 +131,8 @@ class Case:
         """The shape (Bm, S', Skv) of stored_mask(), computed without it; None when there is none."""
         if not self.has_mask():
             return None
-        return (self.B if (self.mask_per_batch or self.mask == "padding") else 1, self.S + self.mask_rows_extra, self.Skv)
+        batches = self.B if (self.mask_per_batch or self.mask == "padding") else 1
+        return batches, self.S + self.mask_rows_extra, self.Skv
 
     def mask_array_shape(self) -> tuple[int, int, int] | None:
         """The shape of mask_array(), computed without it; None when there is none."""

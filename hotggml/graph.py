@@ -410,7 +410,8 @@ class Graph:
         ne = ggml_shape(array.shape)
         ggml_type = getattr(self.lib, f"GGML_TYPE_{type_name.upper()}")
         raw = None if self.reserve_only else kvcache.encode(array, type_name)
-        nbytes = raw.nbytes if raw is not None else int(self.lib.ggml_row_size(ggml_type, ne[0])) * int(np.prod(ne[1:], dtype=object))
+        rows = int(np.prod(ne[1:], dtype=object))
+        nbytes = raw.nbytes if raw is not None else int(self.lib.ggml_row_size(ggml_type, ne[0])) * rows
         if nbytes > MAX_TENSOR_BYTES:
             raise InputError(f"cache of shape {array.shape} is over {MAX_TENSOR_BYTES} bytes")
         self._room(self.ctx_in)

@@ -143,7 +143,9 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     record, origin = (_record_for_tarball(Path(source), tag, upstream) if is_tarball
                       else _record_for_commit(source, tag))
     current = pin_record.read()
-    if record["tree"] == current["tree"] or record["upstream_commit"] == current["upstream_commit"]:
+    # the same tree, or (a commit source) upstream's own commit of the current pin, whose tree is the pin's
+    same_commit = not is_tarball and record["upstream_commit"] == current["upstream_commit"]
+    if record["tree"] == current["tree"] or same_commit:
         if is_tarball:
             shutil.rmtree(origin, ignore_errors=True)
         return Outcome("same", current)  # never a record of the same tree under an invented identity
@@ -291,8 +293,9 @@ def _restore_patches(saved: Path) -> None:
         if path.is_file() and not (saved / path.name).exists():
             path.unlink()
     for path in saved.iterdir():
-        if not (paths.PATCHES_DIR / path.name).is_file() or (paths.PATCHES_DIR / path.name).read_bytes() != path.read_bytes():
-            _write_bytes_atomic(paths.PATCHES_DIR / path.name, path.read_bytes())
+        target = paths.PATCHES_DIR / path.name
+        if not target.is_file() or target.read_bytes() != path.read_bytes():
+            _write_bytes_atomic(target, path.read_bytes())
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
