@@ -31,6 +31,13 @@ class KernelPath:
         return self.kernel
 
 
+def _kv_tensor(g: Graph, type_name: str, ne: tuple[int, ...], name: str):
+    """K or V of ggml shape ne in its stored type, without data (a reserve-only Graph's cache)."""
+    if type_name == "f32":
+        return g.new_tensor(ne, name=name)
+    return g.cache(np.broadcast_to(np.float32(0), tuple(reversed(ne))), type_name, name)
+
+
 def probe(case: Case, backend: Backend, prec: str = "default") -> KernelPath:
     """Raise UnsupportedOpError unless ``backend`` supports the fwd and bwd nodes of ``case``;
     return the precision and kernel they run there (KernelPath, as the library reports them).
@@ -38,23 +45,27 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> KernelPath:
     Shapes in ggml order: q [D, S, Nh, B], k [D, Skv, Nkv, B], v [Dv, Skv, Nkv, B],
     mask [Skv, S, 1, 1 or B] f16 when the case has one; d is the packed gradient of the forward.
     """
-    with Graph(backend, scheduled=True) as g:
+    # reserve only: the caches of a stored-type case are made in their types without data
+    with Graph(backend, scheduled=True, reserve_only=True) as g:
         q = g.new_tensor((case.D, case.S, case.Nh, case.B))
-        k = g.new_tensor((case.D, case.Skv, case.Nkv, case.B))
-        v = g.new_tensor((case.dv, case.Skv, case.Nkv, case.B))
+        k, v = (_kv_tensor(g, getattr(case, f"{name}_type"), (d, case.Skv, case.Nkv, case.B), name)
+                for name, d in (("k", case.D), ("v", case.dv)))
         mask = None
         if case.has_mask():
             bm = case.B if (case.mask_per_batch or case.mask == "padding") else 1
             mask = g.new_tensor((case.Skv, case.S, 1, bm), np.float16)
         fwd = ops.flash_attn_train(g, q, k, v, mask, case.scale, prec, causal=case.causal, window=case.window)
-        back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne))
+        # the gradients a trainer's autodiff asks: a cache in a stored type takes none (nor a frozen f32 K/V)
+        grads = "q" + "".join(name for name in "kv" if case.kv_trained(name))
+        back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne), grads)
         for node in (fwd, back):
             if not backend.supports_op(node):
                 raise UnsupportedOpError(
                     f"{backend.device_name} supports_op is false for {node.op_name} at {case.id} ({case.shape}, "
                     f"prec {prec}): ggml would run it on the CPU instead; this run cannot claim a "
                     f"{backend.device_name} result")
-        g.build([ops.get_o(fwd), ops.get_lse(fwd), ops.get_dq(back), ops.get_dk(back), ops.get_dv(back)])
+        views = {"q": ops.get_dq, "k": ops.get_dk, "v": ops.get_dv}
+        g.build([ops.get_o(fwd), ops.get_lse(fwd)] + [views[name](back) for name in grads])
         g.plan()
         placed = {t.ptr: device for t, device in g.placement()}
         for node in (fwd, back):
