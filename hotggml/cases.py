@@ -65,6 +65,7 @@ class Case:
     k_type: str = "f32"  # K and V in a stored type (hotggml.kvcache.TYPES): a frozen cache, no dK / dV
     v_type: str = "f32"
     frozen_kv: bool = False  # f32 K and V as inputs without gradient (dQ alone: the f32 twin of a frozen cache)
+    do_scale: float = 1.0  # dO (the loss weights of O) times this: a tiny dO probes absolute thresholds
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -203,7 +204,7 @@ class Case:
             "v": (np.float32(self.v_offset) +
                   np.float32(self.v_spread) * rng.standard_normal(shape["v"], dtype=np.float32)),
             # dO in the O layout of the op, [Dv, Nh, S, B] -> NumPy (B, S, Nh, Dv)
-            "do": rng.standard_normal(shape["do"], dtype=np.float32),
+            "do": rng.standard_normal(shape["do"], dtype=np.float32) * np.float32(self.do_scale),
             "dlse": rng.standard_normal(shape["dlse"], dtype=np.float32) if self.lse_loss else None,
         }
         # a cache in a stored type holds what ggml's converter makes of the values: every arm sees those
@@ -310,6 +311,9 @@ TYPES = [
     Case("kv-q8_0-near-constant-v", Nh=2, Nkv=1, D=32, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, k_type="q8_0",
          v_type="q8_0", tags=("cancel",)),
     Case("kv-q8_0-f16-d128", Nh=8, Nkv=2, D=128, S=40, Skv=100, mask="causal", k_type="q8_0", v_type="f16"),
+    # the field's tiny gradient: dO at 1e-4 of its usual size; dQ, LSE and D_i = dO . O each checked on its own
+    Case("kv-q8_0-tiny-do", Nh=4, Nkv=2, D=64, S=29, Skv=77, mask="causal", do_scale=1e-4, k_type="q8_0",
+         v_type="q8_0", tags=("d_i",)),
 ]
 
 SETS = {"smoke": SMOKE, "real": REAL, "types": TYPES, "field": FIELD, "limits": LIMITS}

@@ -321,6 +321,18 @@ def _compare(arm: ArmResult, ref: ArmResult, live: np.ndarray, grads: bool = Tru
     return errs
 
 
+def _d_i_error(case: Case, arm: ArmResult, ref: ArmResult, live: np.ndarray) -> float:
+    """Error of D_i = dO_i . O_i - dLSE_i (the row term of dS = P (dP - D_i)) formed from the arm's O against
+    the oracle's, over live rows: the O the backward reads, weighted as the backward weighs it, checked apart
+    from dQ (a tiny dO makes dQ's own error tiny in absolute terms, whatever D_i does)."""
+    x = case.inputs()
+    do = x["do"].transpose(0, 2, 1, 3).astype(np.float64)  # (B, Nh, S, Dv), the oracle's O layout
+    dlse = 0.0 if x["dlse"] is None else x["dlse"].transpose(0, 2, 1).astype(np.float64)
+    live_o = live[:, None, :]
+    d_arm, d_ref = (np.sum(do * np.asarray(o, np.float64), axis=-1) - dlse for o in (arm.o, ref.o))
+    return rel_err(np.where(live_o, d_arm, 0), np.where(live_o, d_ref, 0))
+
+
 # kernels whose dS = P (dP - D_i) cancels exactly on a row with one visible key (D_i summed like dP); the others
 # (TF32, the compensated f32 product) cancel to f32 rounding: within ONE_KEY_CANCEL of the natural magnitude
 EXACT_CANCEL_KERNELS = ("f32-cpu", "f32-scalar")
@@ -399,7 +411,14 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     res.placement, res.n_splits = fused.placement, fused.n_splits
     live = ~oracle.masked_rows(case.mask_array(), case.B, case.S)
     floors = natural_magnitudes(case) if "cancel" in case.tags else None
+    if case.do_scale != 1.0:  # gradients scale with dO: so does the absolute floor under their relative errors
+        floors = {name: FLOOR * case.do_scale for name in ("dQ", "dK", "dV")}
     res.errors["fused~oracle"] = _compare(fused, ref, live, floors=floors)
+    extra_checks = {}
+    if "d_i" in case.tags:
+        res.errors["fused~oracle"]["D_i"] = _d_i_error(case, fused, ref, live)
+        # a tiny dO's dQ is measured against its own size, not against rel_err's floor
+        extra_checks["dQ_ref_above_floor"] = bool(np.max(np.abs(ref.dq)) >= 10 * (floors or {}).get("dQ", FLOOR))
     if with_chain:
         with Backend(device, n_threads=threads[-1]) as be:
             chain = run_chain(case, be)
@@ -408,7 +427,7 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         # the chain has no LSE: with an LSE term in the loss only its O is comparable
         res.errors["chain~oracle"] = _compare(chain, ref, live, grads=not case.lse_loss, floors=floors)
         res.errors["fused~chain"] = _compare(fused, chain, live, grads=not case.lse_loss, floors=floors)
-    res.checks = _exact_checks(case, fused, ref, path.kernel)
+    res.checks = _exact_checks(case, fused, ref, path.kernel) | extra_checks
     # a node the device refuses would run on the CPU without an error: prove where they ran
     res.checks["fused_nodes_on_backend"] = all(
         sorted(run.placement) == ["FLASH_ATTN_TRAIN", "FLASH_ATTN_TRAIN_BACK"]

@@ -134,3 +134,19 @@ def test_types_case(lib, case):
     compared = set(result.errors["fused~oracle"])
     assert {"O", "LSE", "dQ"} <= compared
     assert ("dK" in compared) == (case.k_type == "f32") and ("dV" in compared) == (case.v_type == "f32")
+
+
+def test_d_i_is_checked_apart_and_sees_a_wrong_o(lib):
+    """The tiny-dO case reports D_i = dO . O - dLSE on its own; an O off by 1e-3 of its size (a mistake a tiny
+    dQ would not show) fails it, and the case's dQ is well above the floor its relative error uses."""
+    import dataclasses
+
+    case = next(c for c in cases.TYPES if "d_i" in c.tags)
+    result = parity.run_case(case, "CPU")
+    assert result.passed and "D_i" in result.errors["fused~oracle"], result.failures
+    assert result.checks["dQ_ref_above_floor"] is True
+    ref = parity.run_oracle(case)
+    live = np.ones((case.B, case.S), dtype=bool)
+    wrong = dataclasses.replace(ref, o=ref.o * (1 + 1e-3))
+    assert parity._d_i_error(case, ref, ref, live) == 0.0
+    assert parity._d_i_error(case, wrong, ref, live) > parity.BARS["f32"]
