@@ -103,15 +103,16 @@ def _kill_when(command: list[str], cwd: Path, env: dict, moment, after: float = 
 
 
 @pytest.mark.slow  # about 45 s on 2 cores: four pin sets killed, each aborted, one continued
-def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(sdist, tmp_path):
+def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(sdist, tmp_path, cpu_build):
     """`pin set` killed with SIGKILL at moments through the rebase and _finish (seen from outside: the state
     appears, the series is re-exported, the record is rewritten, the new vendor tree is being made), then
     `pin set --abort`: the record, patches/, vendor/ggml and the work repo are as they were, `git status` is
-    clean, no vendor/.ggml.tmp-* is left, fetch and patches apply work (the record was left new, the vendor tree
-    old before). Killed once more in _finish, `--continue` finishes the move."""
+    clean, no vendor/.ggml.tmp-* is left, fetch, patches apply and build work (the record was left new, the vendor
+    tree old before; build finds the old pin's build). Killed once more in _finish, `--continue` finishes the move."""
     from test_rebase import _clone, _hotggml, _new_pin_tarball, _shift_above_hunk, _snapshot
 
     repo, env = _clone(tmp_path, sdist)
+    shared_builds = {**env, paths.BUILD_ROOT_ENV: str(cpu_build.build_dir.parent)}  # the session's CPU build
     state = tmp_path / "state"
     before = _snapshot(repo, state)
     tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _shift_above_hunk)
@@ -137,6 +138,9 @@ def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(s
         assert not temps(), name
         assert "verified" in _hotggml(repo, env, "fetch", check=True).stdout, name
         assert "already applied" in _hotggml(repo, env, "patches", "apply", check=True).stdout, name
+        # and build: the old pin and series give the old build key, so the session's own build is taken as it is
+        built = _hotggml(repo, shared_builds, "build", "--backend", "cpu", check=True).stdout
+        assert "up to date, not rebuilt" in built, (name, built)
 
     assert _kill_when(command, repo, env, moments["the record is rewritten"][0])
     _hotggml(repo, env, "pin", "set", "--continue", check=True)
