@@ -51,3 +51,8 @@ class UsageError(HotggmlError, RuntimeError):
 
 class OutOfMemoryError(HotggmlError, MemoryError):
     """A context, buffer or graph allocation failed on a backend."""
+
+
+class ConnectionLostError(BackendError):
+    """An RPC server did not compute a graph: it died, closed the connection or refused the graph. The
+    buffers on it are gone: close the Graph and Backend, and open new ones once a server listens again."""

@@ -32,6 +32,8 @@ const char * hotggml_rpc_proto_version(void);
 typedef const char * (*ggml_backend_cuda_fa_train_path_t)(int device, const struct ggml_tensor * node);
 typedef size_t (*ggml_backend_cuda_fa_train_pool_peak_t)(bool reset);
 typedef ggml_backend_reg_t (*ggml_backend_rpc_add_server_t)(const char * endpoint);
+typedef void (*ggml_backend_rpc_start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads,
+                                                size_t n_devices, ggml_backend_dev_t * devices);
 bool ggml_op_can_inplace(enum ggml_op op);  /* ggml-impl.h (exported): ops whose result may take a source's memory */
 """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hotggml.errors import BackendError, InputError, InputTypeError, OutOfMemoryError, UsageError
+from hotggml.errors import BackendError, ConnectionLostError, InputError, InputTypeError, OutOfMemoryError, UsageError
 from hotggml.ffi import backend_proc, ffi, load
 
 GGML_MAX_DIMS = 4
@@ -46,6 +46,12 @@ class Backend:
     Raises BackendError when the name is not in the registry: a missing backend is a hard
     failure, never a silent CPU fallback. n_threads applies to the CPU backend only.
 
+    ``'RPC[host:port]'`` opens the first device of the RPC server at host:port (hotggml.rpc.connect puts its
+    devices in the registry; BackendError when none answers or it is of another build); its ``device_name`` is
+    then the registry's ('RPC0'), ``endpoint`` is 'host:port' (None for a local device) and ``remote`` the
+    device behind it when a hotggml.rpc.Server of this process serves it ('CPU'; else None). A graph the server
+    does not compute (it died, or the network failed) raises ConnectionLostError from Graph.compute.
+
     Threads: a Backend computes one graph at a time. ggml's backends are not reentrant (the CPU
     backend's work buffer and thread pool are the backend's), so every compute on it (Graph.compute,
     Graph.profile, Optimizer.step) holds the Backend's ``lock``: graphs on one Backend may be driven
@@ -61,6 +67,15 @@ class Backend:
             if not 1 <= n_threads <= GGML_MAX_N_THREADS:
                 raise InputError(f"n_threads must be in [1, {GGML_MAX_N_THREADS}], got {n_threads}")
         lib = load()
+        rpc_name = None
+        if device_name.startswith("RPC["):
+            from hotggml import rpc
+
+            m = rpc.DEVICE_NAME.match(device_name)
+            if m is None:
+                raise InputError(f"an RPC device is named 'RPC[host:port]', got {device_name!r}")
+            rpc_name = device_name
+            device_name = rpc.connect(m.group("endpoint"))[0]
         dev = lib.ggml_backend_dev_by_name(device_name.encode())
         if dev == ffi.NULL:
             names = ", ".join(name for name, _ in devices())
@@ -69,6 +84,14 @@ class Backend:
                                "(for CUDA: `hotggml build --backend cuda`)")
         self.device_name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()  # the registry's spelling
         self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
+        reg_name = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
+        self.endpoint = self.description if reg_name == "RPC" else None  # an RPC device's description is its endpoint
+        self.remote = None
+        if self.endpoint is not None:
+            from hotggml import rpc
+
+            self.remote = rpc.served_device(self.endpoint)
+        self.requested_name = rpc_name or self.device_name
         self._dev = dev
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
@@ -97,14 +120,19 @@ class Backend:
         'f32-cpu' on the CPU, which has one path.
 
         Asked of the library, never inferred from the request: CUDA answers through the proc address
-        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses). Raises BackendError
-        for a backend that cannot say.
+        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses). Through RPC, 'f32-cpu' when
+        the server is a CPU this process serves (hotggml.rpc.Server), else 'f32-rpc' or 'tf32-rpc': the node's
+        requested precision (GGML_PREC_DEFAULT may run TF32 on the server's device, and RPC does not report its
+        kernels). Raises BackendError for a backend that cannot say.
         """
         lib = load()
         if not self.supports_op(tensor):
             return "none"
-        if self.device_name == "CPU":
+        if self.device_name == "CPU" or self.remote == "CPU":  # a CPU behind RPC runs the CPU's one path
             return "f32-cpu"
+        if self.endpoint is not None:  # RPC does not say what the server runs: the precision the node asks for
+            f32 = int(lib.ggml_flash_attn_train_get_prec(tensor.ptr)) == lib.GGML_PREC_F32
+            return "f32-rpc" if f32 else "tf32-rpc"
         path = backend_proc(lib.ggml_backend_dev_backend_reg(self._dev), "ggml_backend_cuda_flash_attn_train_path",
                             "ggml_backend_cuda_fa_train_path_t")
         if path is None or not self.device_name.startswith("CUDA"):
@@ -811,13 +839,20 @@ class Graph:
 
         ``poison``: tensors filled with NaN (0xFF bytes) before compute, so that anything the
         kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
-        supported by the backend (ggml would otherwise abort). Returns the seconds the compute took.
+        supported by the backend (ggml would otherwise abort). On an RPC backend, raises ConnectionLostError
+        when the server did not compute the graph (killed, network lost: ggml-rpc reports it, patch
+        rpc-lost-server). Returns the seconds the compute took.
         """
         with self.backend.lock:  # one graph at a time on a backend (Backend's docstring)
             self._prepare_run(poison)
             t0 = time.perf_counter()
             status = self._run()
             seconds = time.perf_counter() - t0
+        if status != 0 and self.backend.endpoint is not None:
+            raise ConnectionLostError(
+                f"graph compute failed on {self.backend.device_name}: the RPC server at {self.backend.endpoint} did not "
+                f"compute the graph (status {status}: it died, closed the connection or refused the graph); the buffers "
+                "on it are lost: close this Graph and its Backend, and open new ones once a server listens there")
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
         self._computed = True
@@ -855,7 +890,12 @@ class Graph:
             if (t.ptr.view_src if t.ptr.view_src != ffi.NULL else t.ptr).buffer == ffi.NULL:
                 raise InputError(f"cannot poison {t.op_name} {t.ne}: it is not in the built graph (no memory)")
         for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
-            self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
+            n = self.lib.ggml_nbytes(t.ptr)
+            if self.backend.endpoint is not None:  # RPC buffers have no memset_tensor (ggml asserts): send the bytes
+                nan = np.full(n, 0xFF, dtype=np.uint8)
+                self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(nan), 0, n)
+            else:
+                self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, n)
         if self._loss is not None:
             g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
             one = np.ones(1, dtype=np.float32)

@@ -1,19 +1,38 @@
-"""RPC peers from Python: adding a server of another build is a Python error naming both protocol versions.
+"""RPC peers from Python: servers of this build in a child process, their devices as Backends, their record.
 
 The fork's op enum differs from upstream's (the training ops are appended), so its RPC protocol has a major of
 its own (patch rpc-fork-major: 128 + upstream's, one byte on the wire) and ggml's handshake refuses a stock peer, either way round:
 ``ggml_backend_rpc_add_server`` returns NULL after logging the server's version. Needs a build with
 ``GGML_RPC=ON``, which every ``hotggml build`` and the wheel are.
+
+``Server`` starts ``ggml_backend_rpc_start_server`` for a local device (the CPU) in a child process bound to
+127.0.0.1, with GGML_RPC_DEBUG set: the server then logs each node it computed (patch rpc-server-node-log),
+and ``Server.computed_ops`` reads that record back. ``connect`` puts a server's devices in ggml's registry,
+and ``Backend('RPC[host:port]')`` opens the first of them. A server lost mid-run (killed, or its network)
+fails the client's calls (patch rpc-lost-server): ``Graph.compute`` raises ConnectionLostError, never an abort.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
 
-from hotggml.errors import BackendError, InputError, InputTypeError
+from hotggml.errors import BackendError, InputError, InputTypeError, UsageError
 from hotggml.ffi import backend_proc, ffi, load
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+DEVICE_NAME = re.compile(r"^RPC\[(?P<endpoint>[^\]]+)\]$")  # Backend('RPC[127.0.0.1:50052]')
+# a line of the server's record (patch rpc-server-node-log): one per node, after its graph ran
+_COMPUTED = re.compile(r"^\[graph_(?:re)?compute\] device: (\d+), computed node (\d+): (\S+)")
+_served: dict[str, str] = {}  # endpoint -> the device a Server of this process serves there ('CPU')
 
 
 def proto_version() -> str:
@@ -21,17 +40,16 @@ def proto_version() -> str:
     return ffi.string(load().hotggml_rpc_proto_version()).decode()
 
 
-def add_server(endpoint: str) -> int:
-    """Register the RPC server at endpoint ('host:port') and return how many devices it offers.
-
-    Raises InputTypeError / InputError for an endpoint that is not 'host:port', BackendError when this build
-    has no RPC, and BackendError naming both versions when the server refuses the handshake (another build:
-    stock ggml, or another fork) or cannot be reached.
-    """
+def _check_endpoint(endpoint: str) -> None:
     if not isinstance(endpoint, str):
         raise InputTypeError(f"endpoint must be a str 'host:port', got {type(endpoint).__name__}")
     if not _ENDPOINT.match(endpoint):
         raise InputError(f"endpoint must be 'host:port', got {endpoint!r}")
+
+
+def _add(endpoint: str):
+    """ggml_backend_rpc_add_server(endpoint): the server's registry entry, or BackendError saying why not."""
+    _check_endpoint(endpoint)
     lib = load()
     reg = lib.ggml_backend_reg_by_name(b"RPC")
     add = None if reg == ffi.NULL else backend_proc(reg, "ggml_backend_rpc_add_server", "ggml_backend_rpc_add_server_t")
@@ -54,4 +72,151 @@ def add_server(endpoint: str) -> int:
         why = (f"the server speaks RPC {peer} and this ggml {proto_version()}: a peer of another build (stock ggml, "
                "or another fork) has other op ids" if peer else f"no RPC server answered ({''.join(said).strip()})")
         raise BackendError(f"RPC server {endpoint} refused: {why}")
-    return int(lib.ggml_backend_reg_dev_count(server))
+    return server
+
+
+def add_server(endpoint: str) -> int:
+    """Register the RPC server at endpoint ('host:port') and return how many devices it offers.
+
+    Raises InputTypeError / InputError for an endpoint that is not 'host:port', BackendError when this build
+    has no RPC, and BackendError naming both versions when the server refuses the handshake (another build:
+    stock ggml, or another fork) or cannot be reached.
+    """
+    return int(load().ggml_backend_reg_dev_count(_add(endpoint)))
+
+
+def connect(endpoint: str) -> list[str]:
+    """Add the server at endpoint ('host:port') and put its devices in ggml's device registry (once per process);
+    returns their registry names in the server's order (ggml numbers RPC devices RPC0, RPC1, .. across servers).
+
+    Raises what add_server raises (InputTypeError / InputError for a bad endpoint, BackendError for a build
+    without RPC, a server of another build or none answering)."""
+    lib = load()
+    reg = _add(endpoint)
+    known = {int(ffi.cast("uintptr_t", lib.ggml_backend_dev_get(i))) for i in range(lib.ggml_backend_dev_count())}
+    names = []
+    for i in range(lib.ggml_backend_reg_dev_count(reg)):
+        dev = lib.ggml_backend_reg_dev_get(reg, i)
+        if int(ffi.cast("uintptr_t", dev)) not in known:
+            lib.ggml_backend_device_register(dev)
+        names.append(ffi.string(lib.ggml_backend_dev_name(dev)).decode())
+    return names
+
+
+def served_device(endpoint: str) -> str | None:
+    """The device ('CPU') a Server of this process serves at endpoint, or None for a server started elsewhere
+    (the RPC protocol does not say what device is behind a server)."""
+    return _served.get(endpoint)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+class Server:
+    """A local device served over RPC by a child process (``python -m hotggml.rpc_server``) bound to 127.0.0.1.
+
+    ``Server(device='CPU', n_threads=None)``: the registry device to serve ('CPU'; its thread count, default one
+    per core), on a free port; ``endpoint`` is '127.0.0.1:PORT', ``device_name`` 'RPC[127.0.0.1:PORT]' (what
+    Backend takes). The child runs this process's library (HOTGGML_LIB_DIR) with GGML_RPC_DEBUG set, and its
+    stderr goes to a file: the server's record, one line per node it computed, read by ``computed_ops``.
+    Use it as a context manager, or call ``close()`` (kills the child, removes the record); a Server never closed
+    is killed when collected or at exit, and on Linux when the thread that started it ends (PR_SET_PDEATHSIG).
+
+    Raises InputTypeError / InputError for a bad device name or thread count, BackendError when the child
+    exits or does not listen within ``start_timeout`` seconds (its stderr's tail in the message).
+    """
+
+    def __init__(self, device: str = "CPU", n_threads: int | None = None, start_timeout: float = 30.0):
+        from hotggml.ffi import library_info
+
+        if not isinstance(device, str) or not device:
+            raise InputTypeError(f"device must be a registry device name (str), got {device!r}")
+        if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1):
+            raise InputError(f"n_threads must be a positive int, got {n_threads!r}")
+        lib = load()
+        if lib.ggml_backend_dev_by_name(device.encode()) == ffi.NULL:
+            raise InputError(f"no device {device!r} in this build's registry to serve")
+        self.device = device
+        self._dir = tempfile.TemporaryDirectory(prefix="hotggml-rpc-")
+        self.record_path = Path(self._dir.name) / "server.log"
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "GGML_RPC_DEBUG": "1", "HOTGGML_LIB_DIR": library_info()["lib_dir"],
+               "HOTGGML_RPC_PARENT": str(os.getpid()),
+               "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.proc = None
+        for _ in range(3):  # a port taken between the probe and the child's bind: another port
+            self.endpoint = f"127.0.0.1:{_free_port()}"
+            self.device_name = f"RPC[{self.endpoint}]"
+            with open(self.record_path, "wb") as record:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "hotggml.rpc_server", self.endpoint, device,
+                     str(n_threads or os.cpu_count() or 1)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=record, env=env)
+            if self._wait_listening(start_timeout):
+                _served[self.endpoint] = device
+                # a Server never closed: its child is killed when the Server is collected or this process exits
+                self._finalizer = weakref.finalize(self, _kill, self.proc)
+                return
+        tail = self.record_path.read_text(errors="replace")[-2000:]
+        self.close()
+        raise BackendError(f"the RPC server child did not start listening: {tail}")
+
+    def _wait_listening(self, timeout: float) -> bool:
+        host, port = self.endpoint.split(":")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            with socket.socket() as s:
+                if s.connect_ex((host, int(port))) == 0:
+                    return True
+            time.sleep(0.05)
+        self.proc.kill()
+        self.proc.wait()
+        return False
+
+    def record(self) -> str:
+        """The server's stderr so far (ggml's RPC debug log, the computed nodes among it)."""
+        return self.record_path.read_text(errors="replace") if self.record_path.exists() else ""
+
+    def computed_ops(self, since: int = 0) -> list[str]:
+        """The op of every node the server computed, in order (ggml_op_desc: 'FLASH_ATTN_TRAIN', 'MUL_MAT', ..),
+        from the ``since``-th on (``len(server.computed_ops())`` before a run marks where it starts)."""
+        ops = [m.group(3) for line in self.record().splitlines() if (m := _COMPUTED.match(line))]
+        return ops[since:]
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, as a client sees it); the record stays readable until close()."""
+        if self.proc is not None:
+            _kill(self.proc)
+
+    def close(self) -> None:
+        """Kill the server and remove its record (once)."""
+        self.kill()
+        _served.pop(getattr(self, "endpoint", None), None)
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def need_server(server) -> None:
+    """UsageError unless server is an open Server (its record is read after a run)."""
+    if not isinstance(server, Server):
+        raise InputTypeError(f"server must be a hotggml.rpc.Server, got {type(server).__name__}")
+    if server._dir is None:
+        raise UsageError("this RPC Server is closed")
