@@ -337,7 +337,10 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
         description="A line per case on stderr, and inside a case that runs long a line per arm and oracle head. "
                     "Expected on a 2-core machine: smoke in about a second at --threads 1,2 (measured); the field "
                     "set's long-context chunk (-p chunk) alone about 14 min on the CPU (reported once, not re-timed).")
-    parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
+    parser.add_argument("-b", "--backend", default="cpu",
+                        help="cpu | cuda | vulkan, or a registry device name (CUDA0); rpc: through a CPU RPC server "
+                             "this command starts on 127.0.0.1 (the server's record of computed nodes is checked too); "
+                             "RPC[host:port]: through a running RPC server")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "limits", "field"),
                         help="case set (repeatable; default smoke; types: K/V in stored types; field holds the "
                              "long-context chunk)")
@@ -463,14 +466,27 @@ def _run_parity(args: argparse.Namespace) -> int:
     selected = _select_cases(args.sets or ["smoke"], args.pattern)
     if args.list:
         return _print_cases(selected)
-    device = resolve_device(args.backend)
+    import contextlib
+
+    from hotggml import rpc
+
     results = []
-    for i, case in enumerate(selected, start=1):
-        res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain,
-                              progress=_Heartbeat(f"[{i}/{len(selected)}] {case.id}"))
-        _progress(i, len(selected), f"{'PASS' if res.passed else 'FAIL'} {case.id}"
-                  + ("" if res.passed else ": " + "; ".join(res.failures)))
-        results.append(res)
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.backend.lower() == "rpc":  # a CPU server of this build, in a child process, for this run
+            server = stack.enter_context(rpc.Server("CPU"))
+            print(f"RPC server (CPU) at {server.endpoint}, pid {server.proc.pid}", file=sys.stderr, flush=True)
+        device = server.device_name if server is not None else resolve_device(args.backend)
+        for i, case in enumerate(selected, start=1):
+            res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain,
+                                  progress=_Heartbeat(f"[{i}/{len(selected)}] {case.id}"), server=server)
+            _progress(i, len(selected), f"{'PASS' if res.passed else 'FAIL'} {case.id}"
+                      + ("" if res.passed else ": " + "; ".join(res.failures)))
+            results.append(res)
+        if server is not None:
+            ops = server.computed_ops()
+            print(f"RPC server record: {len(ops)} nodes computed, {ops.count('FLASH_ATTN_TRAIN')} FLASH_ATTN_TRAIN, "
+                  f"{ops.count('FLASH_ATTN_TRAIN_BACK')} FLASH_ATTN_TRAIN_BACK")
     print(parity.table(results))
     if args.json:
         Path(args.json).write_text(parity.to_json(results) + "\n")

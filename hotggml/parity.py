@@ -386,16 +386,30 @@ def _exact_checks(case: Case, fused: ArmResult, ref: ArmResult, kernel: str) -> 
 
 
 def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, prec: str = "f32",
-             with_chain: bool = True, progress: Callable[[str], None] | None = None) -> CaseResult:
+             with_chain: bool = True, progress: Callable[[str], None] | None = None, server=None) -> CaseResult:
     """All arms of one case; the fused arm runs once per CPU thread count (twice on another device)
     and every run must be bitwise identical. ``progress`` is told of each arm as it ends (and of the oracle's
-    heads): one case of the field set runs for minutes on a CPU."""
+    heads): one case of the field set runs for minutes on a CPU.
+
+    ``device`` 'RPC[host:port]' runs the arms on that RPC server's first device. ``server``: the
+    hotggml.rpc.Server behind it, whose own record must then hold one FLASH_ATTN_TRAIN and one
+    FLASH_ATTN_TRAIN_BACK computed per fused run (check ``fused_nodes_in_server_record``): the client's placement
+    alone cannot tell, as RPC's supports_op says yes to every op. Raises InputTypeError / UsageError for a
+    ``server`` that is not an open Server, InputError when it does not serve ``device``."""
     say = progress or (lambda text: None)
+    if server is not None:
+        from hotggml import rpc
+
+        rpc.need_server(server)
+        if device != server.device_name:
+            raise InputError(f"server serves {server.device_name}, not the device {device!r}")
     threads = threads or ([None] if device.upper() == "CPU" else [None, None])
     info = library_info()
     with Backend(device) as be:  # fail fast, by name, before any arm runs; the path the library reports
         path = probe(case, be, "f32" if prec == "f32" else "default")
         device_name = be.device_name
+        on_cpu = device_name == "CPU" or be.remote == "CPU"  # a CPU served over RPC by this process
+    mark = len(server.computed_ops()) if server is not None else 0
     res = CaseResult(case.id, case.shape, device, path.precision, info["pin"], info["series_hash"],
                      threads=list(threads), kernel=path.kernel, bar=BARS[path.precision])
     ref = run_oracle(case, progress)
@@ -432,13 +446,17 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     res.checks["fused_nodes_on_backend"] = all(
         sorted(run.placement) == ["FLASH_ATTN_TRAIN", "FLASH_ATTN_TRAIN_BACK"]
         and set(run.placement.values()) == {device_name} for run in fused_runs)
+    if server is not None:  # the server's own word: each fused run's two nodes were computed there
+        computed = server.computed_ops(since=mark)
+        res.checks["fused_nodes_in_server_record"] = (computed.count("FLASH_ATTN_TRAIN") == len(fused_runs)
+                                                      and computed.count("FLASH_ATTN_TRAIN_BACK") == len(fused_runs))
     if len(fused_runs) > 1:
         res.checks["bitwise_across_runs"] = all(
             all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))
             for a in fused_runs[1:])
     # the chain is a reference too: it must itself agree with the oracle, at the f32 bar on the CPU and at
     # the TF32 bar elsewhere (ggml's CUDA mul_mat multiplies f32 on TF32 tensor cores, ~5e-4 seen on an H200)
-    res.chain_bar = BARS["f32"] if device.upper() == "CPU" else BARS["tf32"]
+    res.chain_bar = BARS["f32"] if on_cpu else BARS["tf32"]
     bars = {"fused~oracle": res.bar, "fused~chain": max(res.bar, res.chain_bar), "chain~oracle": res.chain_bar}
     res.failures = [f"{arm} {out} {err:.2e} > {bars[arm]:.0e}" for arm, errs in res.errors.items()
                     for out, err in errs.items() if not err <= bars[arm]]
