@@ -340,7 +340,8 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-b", "--backend", default="cpu",
                         help="cpu | cuda | vulkan, or a registry device name (CUDA0); rpc: through a CPU RPC server "
                              "this command starts on 127.0.0.1 (the server's record of computed nodes is checked too); "
-                             "RPC[host:port]: through a running RPC server")
+                             "rpc:DEVICE (rpc:CUDA0): the same with a server of that device; RPC[host:port]: through a "
+                             "running RPC server")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "limits", "field"),
                         help="case set (repeatable; default smoke; types: K/V in stored types; field holds the "
                              "long-context chunk)")
@@ -473,9 +474,11 @@ def _run_parity(args: argparse.Namespace) -> int:
     results = []
     with contextlib.ExitStack() as stack:
         server = None
-        if args.backend.lower() == "rpc":  # a CPU server of this build, in a child process, for this run
-            server = stack.enter_context(rpc.Server("CPU"))
-            print(f"RPC server (CPU) at {server.endpoint}, pid {server.proc.pid}", file=sys.stderr, flush=True)
+        kind, _, served = args.backend.partition(":")
+        if kind.lower() == "rpc" and not args.backend.startswith("RPC["):  # a server of this build for this run
+            served = resolve_device(served) if served else "CPU"
+            server = stack.enter_context(rpc.Server(served))
+            print(f"RPC server ({served}) at {server.endpoint}, pid {server.proc.pid}", file=sys.stderr, flush=True)
         device = server.device_name if server is not None else resolve_device(args.backend)
         for i, case in enumerate(selected, start=1):
             res = parity.run_case(case, device, threads=args.threads, prec=args.prec, with_chain=not args.no_chain,
