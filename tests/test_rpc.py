@@ -1,10 +1,16 @@
 """RPC refuses a peer of another build, both ways round (issue 9, patch rpc-fork-major): a server started with
 ggml_backend_rpc_start_server in a subprocess, from this fork's RPC build or from a build of the unpatched pin,
-and a client of the other kind. Between two builds of the fork the handshake succeeds (the control)."""
+and a client of the other kind. Between two builds of the fork the handshake succeeds (the control).
+
+Issue 23: the smoke set's fused ops through a localhost CPU server (hotggml.rpc.Server), proven by the result
+and the server's own record of the nodes it computed (patch rpc-server-node-log); a server killed mid-compute
+gives the client ConnectionLostError, and the client lives on (patch rpc-lost-server)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -127,3 +133,117 @@ def test_a_stock_client_refuses_a_fork_server(fork_lib, stock_libs):
                              capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "refused", run.stdout + run.stderr[-2000:]
     assert "version mismatch: 132." in run.stderr
+
+
+# -- issue 23: the fused ops through a localhost RPC server, and a server killed mid-compute -------------------
+
+def _env(fork_lib: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(paths.REPO_ROOT), "HOTGGML_LIB_DIR": str(fork_lib)}
+
+
+def test_parity_smoke_through_a_localhost_rpc_server(fork_lib, tmp_path):
+    """`parity --backend rpc` starts a CPU server of this build on 127.0.0.1, runs the smoke set through it and
+    checks the server's own record (patch rpc-server-node-log): each fused run's two nodes computed there."""
+    out = tmp_path / "rpc.json"
+    run = subprocess.run([sys.executable, "-m", "hotggml", "parity", "--backend", "rpc", "--set", "smoke",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600, env=_env(fork_lib))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^\d+ passed, 0 failed$", run.stdout, re.M), run.stdout[-2000:]
+    records = json.loads(out.read_text())
+    assert records
+    for r in records:
+        assert r["backend"].startswith("RPC[127.0.0.1:") and r["kernel"] == "f32-cpu", r
+        assert r["checks"]["fused_nodes_in_server_record"] and r["checks"]["fused_nodes_on_backend"], r
+        assert r["checks"]["bitwise_across_runs"] and r["passed"], r
+        assert r["chain_bar"] == 1e-4  # a CPU behind RPC: the CPU's chain bar, not the TF32 one
+        assert set(r["placement"].values()) == {"RPC0"}
+    m = re.search(r"RPC server record: (\d+) nodes computed, (\d+) FLASH_ATTN_TRAIN, (\d+) FLASH_ATTN_TRAIN_BACK",
+                  run.stdout)
+    assert m and int(m.group(2)) == int(m.group(3)) == 2 * len(records), run.stdout[-2000:]  # two fused runs a case
+
+
+# A graph of eight 2048^3 products on a one-thread server (seconds of compute), killed 0.5 s into compute()
+KILLED = r'''
+import threading, time
+import numpy as np
+from hotggml import rpc
+from hotggml.errors import ConnectionLostError
+from hotggml.graph import Backend, Graph
+
+N = 2048
+with rpc.Server("CPU", n_threads=1) as server:
+    be = Backend(server.device_name)
+    g = Graph(be)
+    rng = np.random.default_rng(0)
+    a = g.input(rng.standard_normal((N, N), dtype=np.float32) / N)
+    x = g.input(rng.standard_normal((N, N), dtype=np.float32))
+    for _ in range(8):
+        x = g.mul_mat(a, x)
+    g.build([x])
+    killed = []
+
+    def kill():
+        time.sleep(0.5)
+        server.kill()
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        g.compute()
+        print("computed", flush=True)
+        g.read(x)  # the graph is in flight: before the patch, get_tensor aborts here when the server dies
+        print("read", flush=True)
+    except ConnectionLostError as exc:
+        print(f"raised {type(exc).__name__}: {exc}", flush=True)
+        print(f"seconds after the kill {time.monotonic() - killed[0]:.3f}", flush=True)
+    killer.join()
+    print("computed nodes in the record", len(server.computed_ops()), flush=True)
+    t0 = time.monotonic()
+    try:
+        g.compute()  # the connection stays failed: at once, never a hang
+    except ConnectionLostError:
+        print(f"again raised in {time.monotonic() - t0:.3f}", flush=True)
+    g.close()  # frees the buffers on the lost server: no abort
+    be.close()
+print("closed", flush=True)
+'''
+
+
+def test_a_server_killed_mid_compute_raises_in_the_client_which_lives_on(fork_lib):
+    """Issue 23 item 2 (patch rpc-lost-server): SIGKILL of the server while it computes a graph gives
+    ConnectionLostError from Graph.compute within 10 s; closing the Graph and Backend afterwards does not abort;
+    the interpreter exits 0. Before the patch the client aborted (SIGABRT) in get_tensor."""
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", KILLED], capture_output=True, text=True, timeout=120,
+                         env=_env(fork_lib))
+    assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    out = run.stdout
+    assert "raised ConnectionLostError: graph compute failed on RPC" in out and "did not compute the graph" in out, out
+    assert "computed\n" not in out and "read\n" not in out, out
+    assert float(re.search(r"seconds after the kill ([\d.]+)", out).group(1)) < 10, out
+    assert "computed nodes in the record 0" in out, out  # killed before the server finished the graph: mid-compute
+    assert float(re.search(r"again raised in ([\d.]+)", out).group(1)) < 1, out
+    assert out.rstrip().endswith("closed"), out
+    assert "graph not computed by the RPC server" in run.stderr, run.stderr[-2000:]  # ggml-rpc's own word
+    assert time.monotonic() - t0 < 60
+
+
+def test_backend_names_an_rpc_server_by_endpoint(fork_lib):
+    """Backend('RPC[host:port]') opens the server's first device; no server there, or a malformed name, is a
+    clear error before any graph."""
+    run = subprocess.run([sys.executable, "-c", (
+        "from hotggml import rpc\nfrom hotggml.graph import Backend\n"
+        "from hotggml.errors import BackendError, InputError\n"
+        "for name in ('RPC[127.0.0.1:1]', 'RPC[nothing]', 'RPC[127.0.0.1:1'):\n"
+        "    try:\n        Backend(name)\n    except (BackendError, InputError) as e:\n"
+        "        print(type(e).__name__, e)\n"
+        "with rpc.Server('CPU', n_threads=1) as s, Backend(s.device_name) as be:\n"
+        "    print('opened', be.device_name, be.endpoint == s.endpoint, be.remote)\n")],
+        capture_output=True, text=True, timeout=120, env=_env(fork_lib))
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("BackendError RPC server 127.0.0.1:1 refused: no RPC server answered"), lines
+    assert lines[1].startswith("InputError endpoint must be 'host:port'"), lines
+    assert lines[2].startswith("InputError an RPC device is named 'RPC[host:port]'"), lines
+    assert lines[3] == "opened RPC0 True CPU", lines
