@@ -49,8 +49,9 @@ class Backend:
     ``'RPC[host:port]'`` opens the first device of the RPC server at host:port (hotggml.rpc.connect puts its
     devices in the registry; BackendError when none answers or it is of another build); its ``device_name`` is
     then the registry's ('RPC0'), ``endpoint`` is 'host:port' (None for a local device) and ``remote`` the
-    device behind it when a hotggml.rpc.Server of this process serves it ('CPU'; else None). A graph the server
-    does not compute (it died, or the network failed) raises ConnectionLostError from Graph.compute.
+    device behind it when a hotggml.rpc.Server of this process serves it ('CPU'; else None); InputError for a
+    malformed 'RPC[...]' name. A graph the server does not compute (it died, or the network failed) raises
+    ConnectionLostError from Graph.compute.
 
     Threads: a Backend computes one graph at a time. ggml's backends are not reentrant (the CPU
     backend's work buffer and thread pool are the backend's), so every compute on it (Graph.compute,
@@ -67,14 +68,12 @@ class Backend:
             if not 1 <= n_threads <= GGML_MAX_N_THREADS:
                 raise InputError(f"n_threads must be in [1, {GGML_MAX_N_THREADS}], got {n_threads}")
         lib = load()
-        rpc_name = None
         if device_name.startswith("RPC["):
             from hotggml import rpc
 
             m = rpc.DEVICE_NAME.match(device_name)
             if m is None:
                 raise InputError(f"an RPC device is named 'RPC[host:port]', got {device_name!r}")
-            rpc_name = device_name
             device_name = rpc.connect(m.group("endpoint"))[0]
         dev = lib.ggml_backend_dev_by_name(device_name.encode())
         if dev == ffi.NULL:
@@ -91,7 +90,6 @@ class Backend:
             from hotggml import rpc
 
             self.remote = rpc.served_device(self.endpoint)
-        self.requested_name = rpc_name or self.device_name
         self._dev = dev
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
