@@ -35,6 +35,8 @@ typedef ggml_backend_reg_t (*ggml_backend_rpc_add_server_t)(const char * endpoin
 typedef void (*ggml_backend_rpc_start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads,
                                                 size_t n_devices, ggml_backend_dev_t * devices);
 bool ggml_op_can_inplace(enum ggml_op op);  /* ggml-impl.h (exported): ops whose result may take a source's memory */
+size_t ggml_backend_meta_n_backends(ggml_backend_t meta_backend);  /* ggml-backend-impl.h (exported): a meta backend's */
+ggml_backend_t ggml_backend_meta_simple_backend(ggml_backend_t meta_backend, size_t index);  /* own backends */
 """
 
 _LIB_NAMES = {"posix": "libggml.so", "darwin": "libggml.dylib", "nt": "ggml.dll"}

@@ -40,8 +40,20 @@ def devices() -> list[tuple[str, str]]:
     return out
 
 
+def _registry_device(lib, device_name: str):
+    """The registry's device called device_name; BackendError naming what the registry has otherwise."""
+    dev = lib.ggml_backend_dev_by_name(device_name.encode())
+    if dev == ffi.NULL:
+        names = ", ".join(name for name, _ in devices())
+        raise BackendError(f"backend device {device_name!r} is not in this build's registry (have: {names}); "
+                           "build ggml with that backend on a machine that has the device "
+                           "(for CUDA: `hotggml build --backend cuda`)")
+    return dev
+
+
 class Backend:
-    """A ggml backend opened by its registry device name ('CPU', 'CUDA0', 'Vulkan0', ...).
+    """A ggml backend opened by its registry device name ('CPU', 'CUDA0', 'Vulkan0', ...), or ggml's meta
+    device over several of them ('Meta(CPU,CPU)', Backend.meta).
 
     Raises BackendError when the name is not in the registry: a missing backend is a hard
     failure, never a silent CPU fallback. n_threads applies to the CPU backend only.
@@ -60,6 +72,8 @@ class Backend:
     """
 
     def __init__(self, device_name: str, n_threads: int | None = None):
+        """device_name: a registry device name, or ``Meta(NAME,NAME,..)``: ggml's meta device over those
+        registry devices (Backend.meta). n_threads: the CPU backend's threads (each CPU of a meta device's)."""
         if not isinstance(device_name, str):
             raise InputTypeError(f"device_name must be a str (CPU, CUDA0, ..), got {type(device_name).__name__}")
         if n_threads is not None:
@@ -67,6 +81,8 @@ class Backend:
                 raise InputTypeError(f"n_threads must be an int, got {type(n_threads).__name__}")
             if not 1 <= n_threads <= GGML_MAX_N_THREADS:
                 raise InputError(f"n_threads must be in [1, {GGML_MAX_N_THREADS}], got {n_threads}")
+        from hotggml import meta
+
         lib = load()
         if device_name.startswith("RPC["):
             from hotggml import rpc
@@ -75,12 +91,17 @@ class Backend:
             if m is None:
                 raise InputError(f"an RPC device is named 'RPC[host:port]', got {device_name!r}")
             device_name = rpc.connect(m.group("endpoint"))[0]
-        dev = lib.ggml_backend_dev_by_name(device_name.encode())
-        if dev == ffi.NULL:
-            names = ", ".join(name for name, _ in devices())
-            raise BackendError(f"backend device {device_name!r} is not in this build's registry (have: {names}); "
-                               "build ggml with that backend on a machine that has the device "
-                               "(for CUDA: `hotggml build --backend cuda`)")
+        simple_names = meta.parse_name(device_name)
+        self.meta_devices: tuple[str, ...] | None = None  # the simple devices of a meta device, registry spelling
+        if simple_names is None:
+            dev = _registry_device(lib, device_name)
+        else:
+            if len(simple_names) > meta.MAX_DEVICES:
+                raise InputError(f"a meta device wraps at most {meta.MAX_DEVICES} devices, got {len(simple_names)}")
+            simple = [_registry_device(lib, name) for name in simple_names]
+            self.meta_devices = tuple(ffi.string(lib.ggml_backend_dev_name(d)).decode() for d in simple)
+            devs = ffi.new("ggml_backend_dev_t[]", simple)
+            dev = lib.ggml_backend_meta_device(devs, len(simple), meta.callback(), ffi.NULL)
         self.device_name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()  # the registry's spelling
         self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
         reg_name = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
@@ -91,27 +112,70 @@ class Backend:
 
             self.remote = rpc.served_device(self.endpoint)
         self._dev = dev
+        if n_threads is not None and any(name != "CPU" for name in (self.meta_devices or (self.device_name,))):
+            raise InputError("n_threads applies to the CPU backend only")
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
             raise BackendError(f"backend device {device_name!r} failed to initialise")
         # freed by close(), or by the garbage collector for a Backend never closed (never twice)
         self._finalizer = weakref.finalize(self, lib.ggml_backend_free, self._ptr)
         if n_threads is not None:
-            if self.device_name != "CPU":
-                raise InputError("n_threads applies to the CPU backend only")
-            set_n_threads = backend_proc(lib.ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads",
-                                         "ggml_backend_set_n_threads_t")
+            reg = lib.ggml_backend_dev_backend_reg(_registry_device(lib, "CPU"))
+            set_n_threads = backend_proc(reg, "ggml_backend_set_n_threads", "ggml_backend_set_n_threads_t")
             if set_n_threads is None:
                 raise BackendError("this build's CPU backend does not export ggml_backend_set_n_threads")
-            set_n_threads(self._ptr, n_threads)
+            if self.meta_devices is None:
+                set_n_threads(self._ptr, n_threads)
+            else:
+                for j in range(len(self.meta_devices)):
+                    set_n_threads(lib.ggml_backend_meta_simple_backend(self._ptr, j), n_threads)
         self.n_threads = n_threads
         self.lock = threading.RLock()  # held across every compute on this backend (see the class docstring)
+
+    @classmethod
+    def meta(cls, device_names, n_threads: int | None = None) -> "Backend":
+        """ggml's meta device (tensor parallelism) over the registry devices ``device_names``, e.g.
+        ``Backend.meta(["CPU", "CPU"])``: two instances of the CPU device, its name ``Meta(CPU,CPU)``.
+
+        Every tensor lives on each device, whole (mirrored, the default) or as a slice: ``Graph.split`` splits
+        a leaf, and the meta backend infers the rest from the graph (hotggml.meta says what it can split at this
+        pin). Its graphs compute through the scheduler (``Graph(backend, scheduled=True)``). Raises
+        InputTypeError / InputError for a list that names no device, BackendError for a name not in the registry.
+        """
+        if isinstance(device_names, str) or not isinstance(device_names, (list, tuple)):
+            raise InputTypeError(f"device_names must be a list of registry device names, got {type(device_names).__name__}")
+        if not device_names or any(not isinstance(n, str) or not n.strip() or "," in n or "(" in n or ")" in n
+                                   for n in device_names):
+            raise InputError(f"device_names must list registry device names (e.g. ['CPU', 'CPU']), got {device_names!r}")
+        return cls("Meta(" + ",".join(n.strip() for n in device_names) + ")", n_threads)
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether this is ggml's meta device over several devices (Backend.meta)."""
+        return self.meta_devices is not None
+
+    @property
+    def n_devices(self) -> int:
+        """The devices a tensor of this backend is split over: a meta device's count, else 1."""
+        return len(self.meta_devices) if self.meta_devices is not None else 1
 
     def supports_op(self, tensor: "Tensor") -> bool:
         """The device's own answer for this node at its real shapes and types."""
         return bool(load().ggml_backend_dev_supports_op(self._dev, tensor.ptr))
 
     def fa_train_kernel(self, tensor: "Tensor") -> str:
+        """The kernel a FLASH_ATTN_TRAIN(_BACK) node runs here (see _device_kernel); on a meta device the one
+        kernel its devices all run (BackendError when they differ)."""
+        if not self.supports_op(tensor):
+            return "none"
+        if self.meta_devices is None:
+            return self._device_kernel(self.device_name, tensor)
+        kernels = {self._device_kernel(name, tensor) for name in self.meta_devices}
+        if len(kernels) != 1:
+            raise BackendError(f"the devices of {self.device_name} run different kernels: {', '.join(sorted(kernels))}")
+        return kernels.pop()
+
+    def _device_kernel(self, device_name: str, tensor: "Tensor") -> str:
         """The kernel a FLASH_ATTN_TRAIN(_BACK) node runs here, as the library names it: on CUDA
         ``<precision>-<family>-d<D>[v<Dv>]-smem<KiB>`` for the register family ('tf32-reg-d96-smem227',
         'f32-x3-d192v128-smem99': its instance and shared-memory class), 'f32-scalar', or 'none' (refused);
@@ -124,18 +188,18 @@ class Backend:
         kernels). Raises BackendError for a backend that cannot say.
         """
         lib = load()
-        if not self.supports_op(tensor):
-            return "none"
-        if self.device_name == "CPU" or self.remote == "CPU":  # a CPU behind RPC runs the CPU's one path
-            return "f32-cpu"
-        if self.endpoint is not None:  # RPC does not say what the server runs: the precision the node asks for
+        if device_name == "CPU" or (device_name == self.device_name and self.remote == "CPU"):
+            return "f32-cpu"  # a CPU behind RPC runs the CPU's one path
+        if device_name == self.device_name and self.endpoint is not None:
+            # RPC does not say what the server runs: the precision the node asks for
             f32 = int(lib.ggml_flash_attn_train_get_prec(tensor.ptr)) == lib.GGML_PREC_F32
             return "f32-rpc" if f32 else "tf32-rpc"
-        path = backend_proc(lib.ggml_backend_dev_backend_reg(self._dev), "ggml_backend_cuda_flash_attn_train_path",
-                            "ggml_backend_cuda_fa_train_path_t")
-        if path is None or not self.device_name.startswith("CUDA"):
-            raise BackendError(f"{self.device_name} does not report which flash_attn_train path it runs")
-        return ffi.string(path(int(self.device_name[len("CUDA"):]), tensor.ptr)).decode()
+        dev = lib.ggml_backend_dev_by_name(device_name.encode())
+        path = None if dev == ffi.NULL else backend_proc(
+            lib.ggml_backend_dev_backend_reg(dev), "ggml_backend_cuda_flash_attn_train_path", "ggml_backend_cuda_fa_train_path_t")
+        if path is None or not device_name.startswith("CUDA"):
+            raise BackendError(f"{device_name} does not report which flash_attn_train path it runs")
+        return ffi.string(path(int(device_name[len("CUDA"):]), tensor.ptr)).decode()
 
     def fa_train_pool_peak(self, reset: bool = False) -> int:
         """The most CUDA pool memory (bytes) one FLASH_ATTN_TRAIN(_BACK) node took on this backend's device
@@ -188,8 +252,14 @@ class _Native:
         self.lib, self.backend = lib, backend
         self.sched = self.galloc = self.in_buf = None
         self.ctx = self.ctx_in = None
+        self.split_keys: list[int] = []  # hotggml.meta's registry entries of this Graph's leaves
 
     def free(self) -> None:
+        if self.split_keys:
+            from hotggml import meta
+
+            meta.forget(self.split_keys)  # before the contexts: their addresses go back to the allocator
+            self.split_keys = []
         if self.sched is not None:
             self.sched.close()  # its buffers hold the graph's nodes: before the contexts
         self.sched = self.galloc = self.in_buf = None  # cffi frees the allocator and the input buffer
@@ -270,6 +340,26 @@ def walk(roots) -> tuple[list, list]:
     return nodes, leafs
 
 
+def topological(roots) -> list:
+    """The tensor pointers reachable from the roots through src, each after its sources (ggml's graph order up to
+    ties), leaves included."""
+    seen: set[int] = set()
+    order = []
+    stack = [(ptr, False) for ptr in reversed(list(roots))]
+    while stack:
+        ptr, done = stack.pop()
+        key = int(ffi.cast("uintptr_t", ptr))
+        if done:
+            order.append(ptr)
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.append((ptr, True))
+        stack.extend((src, False) for src in ptr.src if src != ffi.NULL)
+    return order
+
+
 # The operand types each op method takes (ggml type names), as tuples of its operands: what ggml's kernels run
 # on every backend the binding drives, not what supports_op answers (the CPU says yes to add(i32, i32) and then
 # aborts). Ops that only move bytes (cont, repeat, reshape, permute) take every type input() makes.
@@ -324,7 +414,10 @@ class Graph:
     ``scheduled=True`` computes through ``ggml_backend_sched`` over [backend, CPU] as a trainer
     does (hotggml.sched): nodes the backend refuses fall back to the CPU instead of raising,
     ``assign`` pins a node to a backend, and ``placement()`` / ``n_splits`` say where each node
-    ran. Without it, every node must run on ``backend`` (BackendError otherwise).
+    ran. Without it, every node must run on ``backend`` (BackendError otherwise). A Graph on a meta
+    backend (Backend.meta) computes scheduled only (ggml's meta backend asserts on a graph that carries
+    gradients; the scheduler hands it views of one), or through an Optimizer (ggml-opt's own scheduler);
+    ``split`` splits its leaves across the devices.
     """
 
     MAX_INPUTS = 4096  # leaves (inputs, params, loss weights) one graph may hold
@@ -368,6 +461,7 @@ class Graph:
         self._computed = False
         self._placed = False
         self._owner: str | None = None  # set by freeze(): who builds and computes this Graph's nodes instead
+        self._splits: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}  # leaf address -> split (split())
 
     # -- leaves -------------------------------------------------------------------------
     def new_tensor(self, ne: tuple[int, ...], dtype=np.float32, name: str | None = None, _ctx=None) -> Tensor:
@@ -457,6 +551,69 @@ class Graph:
         t = self.input(np.asarray(array, dtype=np.float32), name)
         self.lib.ggml_set_param(t.ptr)
         return t
+
+    def split(self, t: Tensor, axis: int, parts: list[int] | None = None) -> None:
+        """Split leaf ``t`` (an input, param or cache of this Graph) across the devices of its meta backend along
+        ``axis`` (0-3, ggml order): device j holds ``parts[j]`` of its ``ne[axis]`` (default: equal parts). Every
+        other leaf is mirrored (whole on each device). Before build(); hotggml.meta says what the meta backend
+        splits at this pin (the training ops by heads: q, k, v on axis 2, ``meta.heads_rule``), and build()
+        refuses a graph that a split would make ggml abort.
+
+        Raises UsageError off a meta backend or after build(), InputTypeError for a tensor that is not a leaf
+        of this Graph, InputError for an axis or parts that do not fit the tensor.
+        """
+        self._split_state(t, axis, parts, None)
+
+    def _split_state(self, t: Tensor, axis: int, ne: list[int] | None, nr: list[int] | None) -> None:
+        """split(), or with ``nr`` the full per-segment state of a packed leaf (ne segment-major, nr per segment:
+        meta.packed_forward_split)."""
+        from hotggml import meta
+
+        if self.ctx is None:
+            raise UsageError("this Graph is closed")
+        if not self.backend.is_meta:
+            raise UsageError(f"split() needs a Graph on a meta backend (Backend.meta), not {self.backend.device_name}")
+        if self.gf is not None or self._owner is not None:
+            raise UsageError("split() comes before build(): the leaves are placed when it runs")
+        if not isinstance(t, Tensor) or t.graph is not self or not any(t.ptr == leaf.ptr for leaf in self._leaves):
+            raise InputTypeError("split() takes an input(), param() or cache() of this Graph")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= int(axis) < GGML_MAX_DIMS:
+            raise InputError(f"axis must be 0..{GGML_MAX_DIMS - 1} (ggml order), got {axis!r}")
+        axis, n_dev = int(axis), self.backend.n_devices
+        nr = [1] if nr is None else [int(n) for n in nr]
+        if ne is None:
+            if t.ne[axis] % n_dev:
+                raise InputError(f"ne[{axis}] = {t.ne[axis]} of {t.ne} does not split into {n_dev} equal parts: pass parts")
+            ne = meta.equal_parts(t.ne[axis], n_dev)
+        ne = [int(n) for n in ne]
+        if len(ne) != n_dev * len(nr) or any(n < 0 for n in ne) or not 1 <= len(nr) <= meta.MAX_SEGMENTS:
+            raise InputError(f"parts must give {n_dev} extents (one per device) per segment, got {ne!r}")
+        if sum(n * nr[i // n_dev] for i, n in enumerate(ne)) != t.ne[axis]:
+            raise InputError(f"parts {ne!r} do not add up to ne[{axis}] = {t.ne[axis]}")
+        blck = 32 if t.type_name == "q8_0" else 1
+        if axis == 0 and any(n % blck for n in ne):
+            raise InputError(f"a {t.type_name} row splits in whole blocks of {blck}, got {ne!r}")
+        if len(nr) > 1 or nr[0] != 1:
+            if axis != 0 or any(d != 1 for d in t.ne[1:]):
+                raise InputError("a split in segments is of a 1-D tensor along axis 0")
+        self._splits[meta.register(t.ptr, axis, ne, nr)] = (axis, tuple(ne), tuple(nr))
+        self._native.split_keys.append(meta._key(t.ptr))
+
+    def split_of(self, t: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+        """(axis, per-device extents, repetitions) of a leaf split by split(), or of a permuted view of one (its
+        axis moved as ggml_permute moves it); None for a mirrored leaf; InputError for a tensor computed from a
+        split leaf in any other way (the meta backend infers that split: the binding does not)."""
+        key = int(ffi.cast("uintptr_t", t.ptr))
+        if key in self._splits:
+            return self._splits[key]
+        nodes, leafs = walk([t.ptr])
+        if not any(int(ffi.cast("uintptr_t", p)) in self._splits for p in nodes + leafs):
+            return None
+        if t.op == self.lib.GGML_OP_PERMUTE and int(ffi.cast("uintptr_t", t.ptr.src[0])) in self._splits:
+            axis, ne, nr = self._splits[int(ffi.cast("uintptr_t", t.ptr.src[0]))]
+            return int(ffi.cast("int32_t *", t.ptr.op_params)[axis]), ne, nr
+        raise InputError(f"{t.op_name} {t.ne} is computed from a split leaf: the binding knows the split of split "
+                         "leaves and of permuted views of them only")
 
     def set(self, t: Tensor, array: np.ndarray) -> None:
         """New data for an input or param leaf ``t`` of this Graph, before or after build(): the next compute()
@@ -668,6 +825,10 @@ class Graph:
 
             autodiff.check([loss.ptr])
         roots = [*outputs, *([loss] if loss is not None else [])]
+        if self._splits:  # before anything is built: a split ggml-backend-meta.cpp cannot follow aborts the process
+            from hotggml import meta
+
+            meta.check_graph(topological([t.ptr for t in roots]), lambda ptr: int(ffi.cast("uintptr_t", ptr)) in self._splits)
         n_nodes, n_leafs = self._count_forward(roots)
         room = self.max_nodes // (1 + BACKWARD_GROWTH) if loss is not None else self.max_nodes
         if n_nodes > room or n_leafs > self.max_nodes:
@@ -877,6 +1038,9 @@ class Graph:
         self._need_graph()
         self._need_data("compute()")
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
+        if self.backend.is_meta and self._sched is None:
+            raise UsageError(f"a Graph on {self.backend.device_name} computes through the scheduler: make it with "
+                             "Graph(backend, scheduled=True) (ggml's meta backend asserts on a graph with gradients)")
         if isinstance(poison, Tensor) or not isinstance(poison, (list, tuple)):
             raise InputTypeError(f"poison must be a list of this Graph's tensors, got {type(poison).__name__}")
         for t in poison:
@@ -919,6 +1083,9 @@ class Graph:
                              "graph: its memory was reused; pass it to build() as an output to read it")
         if t.ptr.buffer == ffi.NULL and (t.ptr.view_src == ffi.NULL or t.ptr.view_src.buffer == ffi.NULL):
             raise InputError("tensor is not part of the computed graph (no buffer): build() it as an output")
+        if self.backend.is_meta and not t.is_contiguous():
+            raise InputError(f"{t.op_name} {t.ne} is not contiguous: a meta backend's buffer reads whole contiguous "
+                             "tensors only (cont() it into an output)")
         ne, nb = t.ne, t.nb
         itemsize = np.dtype(t.dtype).itemsize
         span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))

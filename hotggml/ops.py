@@ -55,6 +55,36 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None)
             raise InputError(f"mask must be [Skv={Skv}, S'>={S}, 1, 1 or {B}], got {mask.ne}")
 
 
+def head_split(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[int, ...] | None:
+    """The query heads per device when q, k, v are split by heads on a meta backend (Graph.split on ne[2]), or
+    None when every operand is mirrored. Raises InputError for anything else flash-attn-train-meta would abort
+    on: q, k, v not all split on axis 2 in whole GQA groups (Nh_j = Nh/Nkv * Nkv_j), a split mask, or devices'
+    parts whose alignment gaps do not add up (meta.heads_rule picks shapes that split)."""
+    from hotggml import meta
+
+    if not g.backend.is_meta:
+        return None
+    sq, sk, sv = (g.split_of(t) for t in (q, k, v))
+    sm = g.split_of(mask) if mask is not None else None
+    if sq is None and sk is None and sv is None and sm is None:
+        return None
+    G = q.ne[2] // k.ne[2]
+    ok = sm is None and all(s is not None and s[0] == 2 and s[2] == (1,) for s in (sq, sk, sv))
+    ok = ok and sk[1] == sv[1] and all(a == G * b for a, b in zip(sq[1], sk[1]))
+    if not ok:
+        def name(s):
+            return "mirrored" if s is None else f"axis {s[0]} {list(s[1])}"
+        raise InputError(f"on {g.backend.device_name} flash_attn_train takes q, k, v split by heads in whole GQA groups "
+                         f"(Graph.split(t, 2) with {G} query heads per kv head on each device) and the mask mirrored, or "
+                         f"every operand mirrored; got q {name(sq)}, k {name(sk)}, v {name(sv)}, mask {name(sm)}")
+    nh = sq[1]
+    D, S, _, B = q.ne
+    if not meta.gaps_add_up([v.ne[0] * h * S * B for h in nh]):
+        raise InputError(f"on {g.backend.device_name}: a device's part of O (Dv * its heads * S * B floats) is not a "
+                         "multiple of 4 floats, so the packed result cannot be split by heads: mirror q, k, v")
+    return nh
+
+
 def _set_prec(t: Tensor, prec: str) -> None:
     if prec not in PREC:
         raise InputError(f"precision must be one of {sorted(PREC)}, got {prec!r}")
@@ -100,6 +130,7 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
             raise InputTypeError(f"window must be an int or None, got {type(window).__name__}")
         if not 0 <= window <= WINDOW_MAX:
             raise InputError(f"window must be in [0, {WINDOW_MAX}] (or None for no window), got {window}")
+    head_split(g, q, k, v, mask)  # on a meta backend: split by heads or mirrored, else InputError before C
     t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
     _set_prec(t, prec)
     if causal or window is not None:
@@ -184,7 +215,41 @@ def flash_attn_train_back(g: Graph, fwd: Tensor, d: Tensor, grads: str = "qkv") 
     if d.ne != o_ne and d.ne != fwd.ne:
         raise InputError(f"d must be shaped like O {o_ne} or like the packed forward {fwd.ne}, got {d.ne}")
     bits = sum(GRAD_BITS[c] for c in grads)
+    if g.backend.is_meta:
+        _check_back_split(g, fwd, d, grads)
     return Tensor(g, g.lib.ggml_flash_attn_train_back_ext(g.ctx, q, k, v, mask, fwd.ptr, d.ptr, bits))
+
+
+def _check_back_split(g: Graph, fwd: Tensor, d: Tensor, grads: str) -> None:
+    """On a meta backend, InputError unless d is split as the forward's heads are (dO on axis 1; the packed
+    gradient as meta.packed_forward_split) and the gradients' parts split (their alignment gaps add up)."""
+    from hotggml import meta
+
+    q, k, v, mask = (Tensor(g, fwd.ptr.src[i]) if fwd.ptr.src[i] != ffi.NULL else None for i in range(4))
+    nh = head_split(g, q, k, v, mask)
+    got = g.split_of(d)
+    if nh is None:
+        if got is not None:
+            raise InputError(f"d is split but the forward's q, k, v are mirrored on {g.backend.device_name}: mirror d")
+        return
+    D, S, Nh, B = q.ne
+    if d.ne == fwd.ne:
+        ne, nr = meta.packed_forward_split(v.ne[0], list(nh), S, B)
+        want = (0, tuple(ne), tuple(nr))
+    else:
+        want = (1, tuple(nh), (1,))
+    if got != want:
+        raise InputError(f"d must be split by the forward's heads on {g.backend.device_name}: "
+                         f"{'Graph._split_state(d, 0, *meta.packed_forward_split(..))' if d.ne == fwd.ne else 'Graph.split(d, 1, parts)'}"
+                         f" with {want[1]}, got {'mirrored' if got is None else got}")
+    G = Nh // k.ne[2]
+    nkv = [h // G for h in nh]
+    parts = {"q": [D * S * h * B for h in nh], "k": [D * k.ne[1] * h * B for h in nkv]}
+    padded = [c for c in "qkv" if c in grads][:-1]  # packed in q, k, v order: every part but the last is padded
+    for letter in padded:
+        if letter in parts and not meta.gaps_add_up(parts[letter]):
+            raise InputError(f"on {g.backend.device_name}: a device's part of d{letter.upper()} is not a multiple of 4 "
+                             "floats, so the packed gradients cannot be split by heads: mirror q, k, v")
 
 
 def back_grads(back: Tensor) -> str:

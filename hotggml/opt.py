@@ -177,6 +177,14 @@ class Optimizer:
             raise InputError(f"opt_period (micro-batches per optimizer step) must be in [1, {OPT_PERIOD_MAX}], "
                              f"got {opt_period}")
         graph.backend.need_open()
+        if graph.backend.is_meta:
+            # ggml-opt computes its static graphs (forward + backward, and the optimizer's) in turn over nodes it
+            # allocates once; the meta backend keeps a node's per-device tensors in one of two compute containers
+            # that it clears in rotation at each new graph (ggml-backend-meta.cpp, ggml_backend_meta_buffer_context),
+            # so the third graph finds none and aborts (GGML_ASSERT(bcj.nodes[i]) in its graph_compute)
+            raise UsageError(f"ggml-opt cannot train on {graph.backend.device_name} at this pin (the meta backend "
+                             "forgets the per-device tensors of nodes allocated for an earlier graph): build the "
+                             "forward, backward and ggml_opt_step_adamw nodes in one Graph(backend, scheduled=True)")
         self.graph_size = self._check_model(graph, inputs, outputs, loss)
 
         lib = self.lib = load()
