@@ -341,7 +341,8 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="cpu | cuda | vulkan, or a registry device name (CUDA0); rpc: through a CPU RPC server "
                              "this command starts on 127.0.0.1 (the server's record of computed nodes is checked too); "
                              "rpc:DEVICE (rpc:CUDA0): the same with a server of that device; RPC[host:port]: through a "
-                             "running RPC server")
+                             "running RPC server; Meta(CPU,CPU): ggml's meta device over several, the fused arm split by "
+                             "heads and compared bit for bit with one device")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "types", "limits", "field"),
                         help="case set (repeatable; default smoke; types: K/V in stored types; field holds the "
                              "long-context chunk)")
@@ -455,7 +456,13 @@ def _smem_caps(text: str) -> tuple[int, ...]:
 
 
 def resolve_device(backend: str) -> str:
-    """cpu -> CPU, cuda -> CUDA0, vulkan -> Vulkan0; a registry device name passes through."""
+    """cpu -> CPU, cuda -> CUDA0, vulkan -> Vulkan0; a registry device name passes through; a meta device
+    ``meta(cpu,cpu)`` -> ``Meta(CPU,CPU)`` (each of its devices resolved so)."""
+    from hotggml import meta
+
+    simple = meta.parse_name(backend)
+    if simple is not None:
+        return "Meta(" + ",".join(resolve_device(name) for name in simple) + ")"
     return {"cpu": "CPU", "cuda": "CUDA0", "vulkan": "Vulkan0"}.get(backend.lower(), backend)
 
 

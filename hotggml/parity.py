@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hotggml import ops, oracle
+from hotggml import meta, ops, oracle
 from hotggml.cases import Case
 from hotggml.errors import BackendError, InputError
 from hotggml.ffi import library_info
@@ -94,6 +94,7 @@ class CaseResult:
     seconds: dict = field(default_factory=dict)
     placement: dict = field(default_factory=dict)    # fused op name -> device it ran on (the scheduler's word)
     n_splits: int = 0
+    split: str = ""                                  # on a meta device: the rule the fused arm ran ('heads: ...')
 
 
 def _o_layout(o_ggml: np.ndarray) -> np.ndarray:
@@ -195,6 +196,58 @@ def read_fused(g: Graph, case: Case, h: FusedGraph, seconds: float = 0.0) -> Arm
         o=_o_layout(g.read(h.o)), lse=g.read(h.lse)[0].transpose(0, 2, 1),
         dq=_q_grad(g, case, h.q_leaf), dk=g.grad(h.k), dv=g.grad(h.v),
         lse_gap_zero=bool(np.all(packed[n_o:lse_offs] == 0)), seconds=seconds)
+
+
+def run_fused_meta(case: Case, backend: Backend, prec: str = "default") -> tuple[ArmResult, str]:
+    """The fused arm on a meta device (Backend.meta), and the rule it ran ('heads: ...' or 'mirrored: why').
+
+    q, k, v are split by heads in whole GQA groups where meta.heads_rule allows (Nkv divisible by the device
+    count), else mirrored. The loss's reduction (sum(O * dO)) is no op the meta backend splits at this pin, so
+    the backward node is built as autodiff builds it for that loss: d = dO (the packed [dO | 0 | dLSE] with an
+    LSE term), the gradients q, k, v need; the results are read from its views.
+    """
+    with Graph(backend, scheduled=True) as g:
+        x = case.inputs(with_garbage=True)
+        mask = case.stored_mask()
+        q_leaf, q = _leaf_q(g, case, x["q"])
+        k, v = (_kv_leaf(g, case, x[name], name) for name in ("k", "v"))
+        m = g.input(mask[:, None], "mask") if mask is not None else None
+        grads = "q" + "".join(name for name in "kv" if case.kv_trained(name))
+        rule, why = meta.heads_rule(q.ne, k.ne, v.ne, backend.n_devices, grads)
+        nh = [case.Nh // backend.n_devices] * backend.n_devices
+        if rule == "heads":
+            g.split(q_leaf, 1 if case.q_view else 2)  # q_base is [D, Nh, S, B]
+            g.split(k, 2)
+            g.split(v, 2)
+        o_ne = (case.dv, case.Nh, case.S, case.B)
+        if case.lse_loss:
+            n_o = int(np.prod(o_ne))
+            lse_at = -(-n_o // meta.FLOATS_ALIGN) * meta.FLOATS_ALIGN
+            packed = np.zeros(lse_at + case.Nh * case.S * case.B, np.float32)
+            packed[:n_o], packed[lse_at:] = x["do"].reshape(-1), x["dlse"].reshape(-1)
+            d = g.input(packed, "d")
+            if rule == "heads":
+                g._split_state(d, 0, *meta.packed_forward_split(case.dv, nh, case.S, case.B))
+        else:
+            d = g.input(x["do"], "dO")
+            if rule == "heads":
+                g.split(d, 1)
+        fwd = ops.flash_attn_train(g, q, k, v, m, case.scale, prec, causal=case.causal, window=case.window)
+        o, lse = ops.get_o(fwd), ops.get_lse(fwd)
+        back = ops.flash_attn_train_back(g, fwd, d, grads)
+        views = {name: getattr(ops, f"get_d{name}")(back) for name in grads}
+        g.build([o, lse, *views.values()])
+        secs = g.compute(poison=[fwd, back])
+        packed_fwd = g.read(fwd).reshape(-1)
+        n_o, lse_offs = int(np.prod(o.ne)), lse.ptr.view_offs // 4
+        res = ArmResult(o=_o_layout(g.read(o)), lse=g.read(lse)[0].transpose(0, 2, 1),
+                        dq=g.read(views["q"]), dk=g.read(views["k"]) if "k" in views else None,
+                        dv=g.read(views["v"]) if "v" in views else None,
+                        lse_gap_zero=bool(np.all(packed_fwd[n_o:lse_offs] == 0)), seconds=secs)
+        where = dict((t.ptr, dev) for t, dev in g.placement())
+        res.placement = {t.op_name: where[t.ptr] for t in (fwd, back)}
+        res.n_splits = g.n_splits
+        return res, f"{rule}: {why}"
 
 
 def _expand_gqa(g: Graph, t, Nh: int):
@@ -416,9 +469,14 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     res.seconds["oracle"] = ref.seconds
     say(f"oracle done ({ref.seconds:.1f} s)")
     fused_runs = []
+    simple = meta.parse_name(device)  # a meta device: the fused arm split by heads (or mirrored), once per run
     for n in threads:
         with Backend(device, n_threads=n) as be:
-            fused_runs.append(run_fused(case, be, "f32" if prec == "f32" else "default"))
+            if simple is None:
+                fused_runs.append(run_fused(case, be, "f32" if prec == "f32" else "default"))
+            else:
+                run, res.split = run_fused_meta(case, be, "f32" if prec == "f32" else "default")
+                fused_runs.append(run)
         say(f"fused{'' if n is None else f' at {n} thread(s)'} done ({fused_runs[-1].seconds:.1f} s)")
     fused = fused_runs[0]
     res.seconds["fused"] = fused.seconds
@@ -433,8 +491,16 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         res.errors["fused~oracle"]["D_i"] = _d_i_error(case, fused, ref, live)
         # a tiny dO's dQ is measured against its own size, not against rel_err's floor
         extra_checks["dQ_ref_above_floor"] = bool(np.max(np.abs(ref.dq)) >= 10 * (floors or {}).get("dQ", FLOOR))
+    if simple is not None:
+        # the claim of a meta device: its results are one device's, bit for bit (the first of its devices, the
+        # fused arm as a trainer runs it there: autodiff's backward)
+        with Backend(simple[0], n_threads=threads[-1]) as be:
+            one = run_fused(case, be, "f32" if prec == "f32" else "default")
+        say(f"fused on one {simple[0]} done ({one.seconds:.1f} s)")
     if with_chain:
-        with Backend(device, n_threads=threads[-1]) as be:
+        # on a meta device the chain (a reference, not the claim) runs on its first device: the meta backend
+        # reads no strided gradient, and the chain's q_view gradient is one
+        with Backend(device if simple is None else simple[0], n_threads=threads[-1]) as be:
             chain = run_chain(case, be)
         res.seconds["chain"] = chain.seconds
         say(f"chain done ({chain.seconds:.1f} s)")
@@ -450,6 +516,9 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
         computed = server.computed_ops(since=mark)
         res.checks["fused_nodes_in_server_record"] = (computed.count("FLASH_ATTN_TRAIN") == len(fused_runs)
                                                       and computed.count("FLASH_ATTN_TRAIN_BACK") == len(fused_runs))
+    if simple is not None:
+        res.checks["bitwise_vs_one_device"] = all(
+            _same(getattr(run, f), getattr(one, f)) for run in fused_runs for f in ("o", "lse", "dq", "dk", "dv"))
     if len(fused_runs) > 1:
         res.checks["bitwise_across_runs"] = all(
             all(np.array_equal(getattr(a, f), getattr(fused, f)) for f in ("o", "lse", "dq", "dk", "dv"))
@@ -463,6 +532,13 @@ def run_case(case: Case, device: str = "CPU", threads: list[int] | None = None, 
     res.failures += [f"check {name} failed" for name, ok in res.checks.items() if not ok]
     res.passed = not res.failures
     return res
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Bitwise equality of two arm outputs (both None where the arm computes no such gradient)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 
 
 def table(results: list[CaseResult]) -> str:
@@ -496,7 +572,10 @@ def legend(results: list[CaseResult]) -> list[str]:
         + (f"; chain {', '.join(f'{b:g}' for b in chain_bars)}" if chain_bars else "")
         + "; a case also needs its exact checks (bitwise reruns, placement, zeros where masked).",
         f"backend {', '.join(sorted({r.backend for r in results}))}; CPU threads per run: {', '.join(threads)}.",
-    ]
+    ] + ([f"meta device: the fused arm split by heads in whole GQA groups where Nkv divides by the device count, "
+          f"else mirrored ({sum(r.split.startswith('heads') for r in results)} of {len(results)} cases by heads); "
+          "bitwise_vs_one_device: every output equal, bit for bit, to the fused arm on one device."]
+         if any(r.split for r in results) else [])
 
 
 def to_json(results: list[CaseResult]) -> str:
