@@ -416,7 +416,7 @@ class Graph:
     ``assign`` pins a node to a backend, and ``placement()`` / ``n_splits`` say where each node
     ran. Without it, every node must run on ``backend`` (BackendError otherwise). A Graph on a meta
     backend (Backend.meta) computes scheduled only (ggml's meta backend asserts on a graph that carries
-    gradients; the scheduler hands it views of one), or through an Optimizer (ggml-opt's own scheduler);
+    gradients; the scheduler hands it views of one; an Optimizer is refused there, hotggml.opt says why);
     ``split`` splits its leaves across the devices.
     """
 
