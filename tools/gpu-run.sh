@@ -64,6 +64,10 @@ step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.js
 for prec in f32 default; do
     step parity-meta-$prec pass hg parity --backend "Meta(CUDA0,CUDA0)" --set smoke --prec $prec --json "$out/parity-meta-$prec.json"
 done
+# through ggml RPC: a CUDA0 server in a child process on 127.0.0.1, its record of the fused nodes checked (issue 23)
+for prec in f32 default; do
+    step parity-rpc-$prec pass hg parity --backend rpc:CUDA0 --set smoke --prec $prec --json "$out/parity-rpc-$prec.json"
+done
 step backend-ops pass hg floor --backend cuda --cuda-arch "$arch" --no-stock --no-ctest --op FLASH_ATTN_TRAIN --op FLASH_ATTN_TRAIN_BACK
 step chunk-tf32 pass hg parity --backend cuda --set field -p '^chunk-27b-2048' --prec default --no-chain --json "$out/parity-chunk.json"
 step chunk-f32 pass hg parity --backend cuda --set field -p '^chunk-27b-2048' --prec f32 --no-chain --json "$out/parity-chunk-f32.json"
