@@ -104,8 +104,10 @@ class Backend:
             dev = lib.ggml_backend_meta_device(devs, len(simple), meta.callback(), ffi.NULL)
         self.device_name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()  # the registry's spelling
         self.description = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
-        reg_name = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
-        self.endpoint = self.description if reg_name == "RPC" else None  # an RPC device's description is its endpoint
+        # an RPC device's description is its endpoint (a meta device is in no registry: ggml asserts on its reg)
+        reg_name = None if self.meta_devices is not None else \
+            ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
+        self.endpoint = self.description if reg_name == "RPC" else None
         self.remote = None
         if self.endpoint is not None:
             from hotggml import rpc
