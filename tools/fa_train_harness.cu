@@ -6,7 +6,9 @@
 //   bash tools/fa-harness.sh OUTDIR "S Skv Nh Nkv D [mode]" ...     (builds it, see there)
 //   /tmp/fa_harness S Skv Nh Nkv D [causal | icausal | bias | iwindow:W | padding:N]
 //   env: DV=N (Dv != D), FA_SMEM_KB=99|163|227 (the shared-memory class whose configuration runs; default: the
-//   device's), REPS=N (timed launches per median, default 7)
+//   device's), REPS=N (timed launches per median, default 7), KV=f16|bf16|q8_0 (K and V also stored in that type:
+//   every arm reads the stored values dequantized, and the register kernels reading them as stored are timed beside
+//   the f32 arms, forward and dQ alone, with their results bitwise compared: the same values rounded the same way)
 //
 // Modes: "causal" a stored f16 causal mask for every kernel; "icausal" the implicit causal mask for the register
 // kernels against the f32 kernels on the stored one; "bias": a stored mask of finite biases with a fifth -INF,
@@ -120,6 +122,52 @@ static bool same_bits(const std::vector<float> & a, const std::vector<float> & b
     return a.size() == b.size() && memcmp(a.data(), b.data(), a.size()*sizeof(float)) == 0;
 }
 
+// K or V in a stored type (KV=): x rounded to the values the type dequantizes to (ggml's quantize_row_q8_0_ref:
+// d = amax/127 as f16, q = round(x/d)), and the stored bytes, rows of D elements; rows listed in nan_rows hold NaN
+struct stored_kv {
+    std::vector<uint8_t> bytes;
+    size_t row_bytes = 0;
+};
+
+static stored_kv store_kv(std::vector<float> & x, int D, int type, const std::vector<bool> & nan_row) {
+    stored_kv st;
+    const size_t rows = x.size()/D;
+    st.row_bytes = type == GGML_TYPE_Q8_0 ? (size_t) D/QK8_0*sizeof(block_q8_0) : 2*(size_t) D;
+    st.bytes.resize(rows*st.row_bytes);
+    for (size_t r = 0; r < rows; ++r) {
+        float * xr = x.data() + r*D;
+        uint8_t * out = st.bytes.data() + r*st.row_bytes;
+        if (type == GGML_TYPE_Q8_0) {
+            for (int b0 = 0; b0 < D; b0 += QK8_0) {
+                float amax = 0.0f;
+                for (int j = 0; j < QK8_0; ++j) amax = std::max(amax, fabsf(xr[b0 + j]));
+                const float d = amax/127.0f, id = d ? 1.0f/d : 0.0f;
+                block_q8_0 blk;
+                blk.d = nan_row[r] ? __ushort_as_half((unsigned short) 0x7E00) : __float2half(d);
+                for (int j = 0; j < QK8_0; ++j) {
+                    blk.qs[j] = (int8_t) roundf(xr[b0 + j]*id);
+                    xr[b0 + j] = nan_row[r] ? NAN : blk.qs[j]*__half2float(blk.d);
+                }
+                memcpy(out + b0/QK8_0*sizeof(block_q8_0), &blk, sizeof(blk));
+            }
+        } else {
+            for (int j = 0; j < D; ++j) {
+                uint16_t h;
+                if (type == GGML_TYPE_F16) {
+                    h = nan_row[r] ? 0x7E00 : __half_as_ushort(__float2half(xr[j]));
+                    xr[j] = __half2float(__ushort_as_half(h));
+                } else {
+                    uint32_t u; memcpy(&u, &xr[j], 4);
+                    h = nan_row[r] ? 0x7FC0 : (uint16_t) ((u + 0x7FFF + ((u >> 16) & 1)) >> 16); // nearest even
+                    u = (uint32_t) h << 16; memcpy(&xr[j], &u, 4);
+                }
+                memcpy(out + 2*j, &h, 2);
+            }
+        }
+    }
+    return st;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 6) { printf("usage: %s S Skv Nh Nkv D [mode]\n", argv[0]); return 2; }
     const int S = atoi(argv[1]), Skv = atoi(argv[2]), Nh = atoi(argv[3]), Nkv = atoi(argv[4]), D = atoi(argv[5]);
@@ -157,6 +205,20 @@ int main(int argc, char ** argv) {
     if (bias) stored([&](int i, int j) { const float x = 3.0f*u(gen); return i == 1 || j == 2 || gen() % 5 == 0 ? -INFINITY : x; });
     if (pad > 0) stored([&](int, int j) { return j >= Skv - pad ? -INFINITY : 0.0f; });
     fa_train_params p = {};
+    // KV=: K and V stored in that type too; every arm reads the values it dequantizes to
+    const char * kv_env = getenv("KV");
+    const int kv_type = !kv_env ? -1 : !strcmp(kv_env, "f16") ? GGML_TYPE_F16 : !strcmp(kv_env, "bf16") ? GGML_TYPE_BF16 :
+        !strcmp(kv_env, "q8_0") ? GGML_TYPE_Q8_0 : -2;
+    if (kv_type == -2 || (kv_type == GGML_TYPE_Q8_0 && (D % QK8_0 || Dv % QK8_0))) { printf("KV=%s: f16, bf16 or q8_0 (D, Dv multiples of 32)\n", kv_env); return 2; }
+    std::vector<bool> nan_key((size_t) Nkv*Skv, false);
+    for (int h = 0; h < Nkv; ++h) for (int j = 0; j < Skv; ++j) nan_key[(size_t) h*Skv + j] = (bias && j == 2) || j >= Skv - pad;
+    stored_kv ks, vs;
+    if (kv_type >= 0) {
+        const std::vector<bool> none(nan_key.size(), false);
+        ks = store_kv(k, D, kv_type, none); vs = store_kv(v, Dv, kv_type, none); // the values every arm reads
+        std::vector<float> kn = k, vn = v;
+        ks = store_kv(kn, D, kv_type, nan_key); vs = store_kv(vn, Dv, kv_type, nan_key); // the bytes, NaN at masked keys
+    }
     std::vector<float> kg = k, vg = v; // the device's copies: NaN at the masked keys
     for (int h = 0; h < Nkv; ++h) for (int j = 0; j < Skv; ++j) {
         if (!((bias && j == 2) || j >= Skv - pad)) continue;
@@ -332,6 +394,41 @@ int main(int argc, char ** argv) {
         printf("  one key per row: max|dQ|, max|dK| / natural magnitude: tf32 %.2e %.2e, f32 x3 %.2e %.2e, f32 scalar %.2e %.2e (bar 1e-6)\n",
                max_abs(g3[0])/natural, max_abs(g3[1])/natural, max_abs(ga[0])/natural, max_abs(ga[1])/natural,
                max_abs(gr[0])/natural, max_abs(gr[1])/natural);
+    }
+    if (kv_type >= 0) { // the register kernels reading K and V as stored, against the f32 arms on their values
+        fa_train_params pk = p;
+        uint8_t * dk, * dv;
+        CK(cudaMalloc(&dk, ks.bytes.size())); CK(cudaMemcpy(dk, ks.bytes.data(), ks.bytes.size(), cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&dv, vs.bytes.size())); CK(cudaMemcpy(dv, vs.bytes.data(), vs.bytes.size(), cudaMemcpyHostToDevice));
+        pk.k = (const float *) dk; pk.v = (const float *) dv; pk.kv_stored = true; pk.k_type = pk.v_type = kv_type;
+        pk.k_nb1 = ks.row_bytes; pk.k_nb2 = ks.row_bytes*Skv; pk.k_nb3 = pk.k_nb2*Nkv;
+        pk.v_nb1 = vs.row_bytes; pk.v_nb2 = vs.row_bytes*Skv; pk.v_nb3 = pk.v_nb2*Nkv;
+        const auto unit = [](size_t rb) { return rb % 16 == 0 ? 16 : rb % 8 == 0 ? 8 : rb % 4 == 0 ? 4 : 0; };
+        pk.k_unit = unit(ks.row_bytes); pk.v_unit = unit(vs.row_bytes);
+        const fa_train_params pf = p;
+        std::vector<float> Os, Ls, Osx, Lsx;
+        auto fwd_stored = [&](const fa_train_kernel & kk) { p = pk; fa_train_params pc = with_cells(); p = pf; reg(kk, false, pc, true); };
+        run_read([&]() { fwd_stored(kt); }, Os, Ls);
+        run_read([&]() { fwd_stored(kx); }, Osx, Lsx);
+        const float tfs = time_ms([&]() { fwd_stored(kt); }), tff = time_ms(v2), tfs2 = time_ms([&]() { fwd_stored(kt); });
+        printf("stored K/V (%s, units %d/%d): fwd tf32 %.3f ms vs f32 K/V %.3f ms (%.3fx), repeat %.3f; tf32 %s, x3 %s vs the f32 K/V arms\n",
+               kv_env, pk.k_unit, pk.v_unit, tfs, tff, tfs/tff, tfs2, same_bits(Os, O2) && same_bits(Ls, L2) ? "bitwise the same" : "DIFFERENT BITS",
+               same_bits(Osx, Oa) && same_bits(Lsx, La) ? "bitwise the same" : "DIFFERENT BITS");
+        // dQ alone (a frozen cache), each precision on its own forward, as a graph runs it
+        auto dq_stored = [&](const fa_train_kernel & kk) {
+            p = pk; fa_train_params pc = with_cells(); p = pf;
+            pc.dK = pc.dV = nullptr; reg(kk, true, pc, true);
+        };
+        std::vector<float> gs[3], gf[3], gsx[3];
+        set_fwd(O2, L2);
+        grads([&]() { dq_stored(kt); }, gs); // against g2: the f32 K/V arm's dQ alone on the same forward
+        const float tbs = time_ms([&]() { dq_stored(kt); }), tbf2 = time_ms([&]() { bwd_reg(kt, 1, true); });
+        set_fwd(Oa, La);
+        grads([&]() { bwd_reg(kx, 1, false); }, gf);
+        grads([&]() { dq_stored(kx); }, gsx);
+        printf("  dQ alone tf32 %.3f ms vs f32 K/V %.3f ms (%.3fx); tf32 %s (err dQ %.2e vs f32 scalar), x3 %s\n", tbs, tbf2, tbs/tbf2,
+               same_bits(gs[0], g2[0]) ? "bitwise the same" : "DIFFERENT BITS", worst_rel(gs[0], gr[0]),
+               same_bits(gsx[0], gf[0]) ? "bitwise the same" : "DIFFERENT BITS");
     }
     return 0;
 }
