@@ -2,7 +2,8 @@
 # Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
 # wgmma path of the register kernels), the training kernels of the series without its wgmma patch for sm_80
 # and sm_90, and the device tools, so a kernel or dispatch that does not compile fails the gate on a machine
-# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 at -O0: see jobs()). cuBLAS headers
+# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 at -O0: see jobs()), and a TF32
+# register kernel that spills more than its recorded baseline fails it too (ci/ptxas_spills.py). cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
 set -euo pipefail
@@ -46,18 +47,25 @@ jobs() {
     # the device tools that include the kernels (the wgmma probe, the kernel harness) follow their API
     for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
 }
-# compile ROOT OPT ARCHS SOURCE: one job (run by xargs, as many at a time as there are cores)
+# compile ROOT OPT ARCHS SOURCE: one job (run by xargs, as many at a time as there are cores). The release compile
+# also writes ptxas' resource report (-Xptxas -v) to $ptxas_logs, for the spill gate below
 compile() {
-    local root=$1 opt=$2 archs=$3 src=$4 gencode=() arch flags=() file
+    local root=$1 opt=$2 archs=$3 src=$4 gencode=() arch flags=() file log=/dev/null
     [[ $src = /* ]] && file=$src || file=$root/$src
     for arch in ${archs//,/ }; do gencode+=(-gencode "arch=compute_$arch,code=sm_$arch"); done
     [ "$opt" = O0 ] && flags=(-Xcicc -O0 -Xptxas -O0)
+    [ "$opt" = full ] && flags=(-Xptxas -v) && log=$ptxas_logs/$(basename "$src").log
     echo "nvcc $opt sm_${archs//,/ sm_} ${src#$PWD/}"
     nvcc -c -std=c++17 "${gencode[@]}" "${flags[@]}" -DNDEBUG -use_fast_math -extended-lambda \
-        -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc" "$file" -o /dev/null
+        -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc" "$file" -o /dev/null 2> "$log"
+    local rc=$?
+    [ "$log" = /dev/null ] || grep -vE "^ptxas info|^ +[0-9]+ bytes stack frame" "$log" >&2 # warnings and errors as before; the report stays in the log
+    return $rc
 }
 export -f compile
-export inc
+ptxas_logs=.hotggml/reports/ptxas
+rm -rf "$ptxas_logs" && mkdir -p "$ptxas_logs"
+export inc ptxas_logs
 # the .cu files under src/ggml-cuda that some patch of the series touches
 mapfile -t sources < <(sed -n 's|^diff --git a/\(src/ggml-cuda/[^ ]*\.cu\) .*|\1|p' $(sed 's|^|patches/|' patches/series) | sort -u)
 [ ${#sources[@]} -gt 0 ] || { echo "cuda-compile: no CUDA source in the series"; exit 1; }
@@ -70,5 +78,7 @@ trap 'rm -rf "$mma_tree"' EXIT
 git -C "$tree" archive "$wgmma^" include src | tar -x -C "$mma_tree"
 mapfile -t mma_sources < <(cd "$mma_tree" && ls src/ggml-cuda/fattn-train*.cu src/ggml-cuda/template-instances/fattn-train-instance-*.cu)
 jobs | xargs -P "$(nproc)" -L 1 bash -c 'compile "$@"' compile || exit 1
+# the spill gate: no TF32 register kernel spills more than ci/ptxas-spills.json records (ci/ptxas_spills.py says why)
+python ci/ptxas_spills.py "$ptxas_logs"/*.log || exit 1
 echo "cuda-compile: ok: ${sources[*]} for sm_90a (and sm_80, sm_90 at -O0); without the wgmma patch,"
 echo "  ${mma_sources[*]} for sm_80 and sm_90 at -O0; the device tools; in $((SECONDS - start)) s"
