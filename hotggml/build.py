@@ -24,12 +24,13 @@ from pathlib import Path
 from hotggml import paths, procs
 from hotggml.errors import BuildError
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cuda", "vulkan")
 
 # the CUDA options SPEC §5 / the device notes ask for: inference FA kernels off, no NCCL
 _BACKEND_DEFINES = {
     "cpu": {},
     "cuda": {"GGML_CUDA": "ON", "GGML_CUDA_FA": "OFF", "GGML_CUDA_NCCL": "OFF"},
+    "vulkan": {"GGML_VULKAN": "ON"},
 }
 
 
@@ -66,7 +67,7 @@ def default_cuda_arch() -> str:
 
 
 def cmake_defines(backend: str, cuda_arch: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """CMake -D options for a backend (``cpu`` or ``cuda``; ``cuda_arch`` None: default_cuda_arch());
+    """CMake -D options for a backend (``cpu``, ``cuda`` or ``vulkan``; ``cuda_arch`` None: default_cuda_arch());
     raises BuildError for another backend name."""
     if backend not in BACKENDS:
         raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -206,6 +207,10 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     from hotggml import prepare
 
     defines = cmake_defines(backend, cuda_arch, extra_defines)  # validates the backend name first
+    if backend == "vulkan" and not shutil.which("glslc"):
+        # ggml-vulkan compiles its shaders with glslc at build time; CMake would fail far into the configure
+        raise BuildError("the vulkan backend needs glslc and the Vulkan headers (Debian/Ubuntu packages glslc, "
+                         "libvulkan-dev, spirv-headers; the README's prerequisites)")
     if tests:
         defines["HOTGGML_BUILD_TESTS"] = "ON"
     prep = prepare.prepare()

@@ -288,9 +288,9 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 
 def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add `build --backend cpu|cuda [--jobs N] [--cuda-arch A] [--tests] [-D KEY=VALUE]`."""
+    """Add `build --backend cpu|cuda|vulkan [--jobs N] [--cuda-arch A] [--tests] [-D KEY=VALUE]`."""
     parser = subparsers.add_parser("build", help="CMake build of the patched tree, keyed by pin + series")
-    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", choices=("cpu", "cuda", "vulkan"), default="cpu")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--cuda-arch", default=None,
                         help="CMAKE_CUDA_ARCHITECTURES (default: 90a where every GPU is compute capability 9.0, else native)")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from hotggml import paths
 
-BACKENDS = ("cuda", "cpu")  # looked at in this order when no backend is named
+BACKENDS = ("cuda", "vulkan", "cpu")  # looked at in this order when no backend is named
 
 
 def current_lib_dir(backend: str | None = None, series_hash: str | None = None,
                     defines_of: Callable[[str], dict] | None = None) -> Path | None:
-    """Library folder of the newest good build of ``backend`` (else cuda, then cpu), or None.
+    """Library folder of the newest good build of ``backend`` (else cuda, vulkan, then cpu), or None.
 
     With ``series_hash`` (hotggml.series.code_hash), a build of that code is preferred over any other (a CUDA
     build of old code must not shadow a fresh CPU build), then an older complete build of it (a patch edit

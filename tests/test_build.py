@@ -43,6 +43,7 @@ def test_build_key_changes_with_inputs():
     assert build.build_key(PIN, "a" * 64, {**d, "GGML_NATIVE": "OFF"}) != base        # a define's value
     assert build.build_key(PIN, "a" * 64, {**d, "GGML_AVX2": "ON"}) != base           # an extra define
     assert build.build_key(PIN, "a" * 64, build.cmake_defines("cuda")) != base        # the backend's options
+    assert build.build_key(PIN, "a" * 64, build.cmake_defines("vulkan")) != base
 
 
 def test_build_key_changes_with_recipe(monkeypatch):
@@ -82,13 +83,14 @@ def test_cmake_defines(monkeypatch):
     assert cuda["GGML_CUDA_FA"] == "OFF"        # upstream's inference FA kernels are not built
     assert cuda["CMAKE_CUDA_ARCHITECTURES"] == "native"
     assert build.cmake_defines("cuda", cuda_arch="90")["CMAKE_CUDA_ARCHITECTURES"] == "90"
+    assert build.cmake_defines("vulkan")["GGML_VULKAN"] == "ON" and "GGML_CUDA" not in build.cmake_defines("vulkan")
     assert build.cmake_defines("cpu", extra={"GGML_NATIVE": "OFF"})["GGML_NATIVE"] == "OFF"
     # the defaults are not shared mutable state
     cpu["X"] = "1"
     assert "X" not in build.cmake_defines("cpu")
 
 
-@pytest.mark.parametrize("name", ["nope", "CPU", "vulkan", ""])
+@pytest.mark.parametrize("name", ["nope", "CPU", "Vulkan", "metal", ""])
 def test_cmake_defines_unknown_backend(name):
     with pytest.raises(BuildError, match="unknown backend"):
         build.cmake_defines(name)
@@ -167,3 +169,10 @@ def test_default_cuda_arch(monkeypatch, caps, arch):
 def test_gpu_compute_caps_without_nvidia_smi(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert build.gpu_compute_caps() == []
+
+
+def test_vulkan_without_glslc_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(BuildError, match="glslc"):
+        build.build("vulkan")
+
