@@ -2,7 +2,7 @@
 # Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
 # wgmma path of the register kernels), the training kernels of the series without its wgmma patch for sm_80
 # and sm_90, and the device tools, so a kernel or dispatch that does not compile fails the gate on a machine
-# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 at -O0: see jobs()), and a TF32
+# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 (PTX) at -O0: see jobs()), and a TF32
 # register kernel that spills more than its recorded baseline fails it too (ci/ptxas_spills.py). cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
@@ -38,12 +38,15 @@ fi
 # release build's device code generation; "O0" turns NVVM's and ptxas' optimizers off: the front end,
 # every template instantiation and static_assert, and the PTX assembly are the same, in a third of the time.
 # sm_90a (the wgmma path, whose products ptxas schedules) is compiled as the release build does; sm_80 and sm_90
-# (the mma.sync path, in both trees) at -O0.
+# (the mma.sync path, in both trees) at -O0. An arch written "90v" is compiled to PTX only (compute_90: what a
+# `90-virtual` build ships, its front end and NVVM at that arch): ptxas at -O0 on unoptimized PTX is most of an
+# O0 job's time (34 s of 41 for the d160 instance at sm_80), and sm_90's mma.sync assembly is sm_80's, which ptxas
+# checks in the same job.
 jobs() {
     local src
     for src in "${sources[@]}"; do echo "$tree full 90a $src"; done   # the long ones first: no idle core at the end
-    for src in "${sources[@]}"; do echo "$tree O0 80,90 $src"; done
-    for src in "${mma_sources[@]}"; do echo "$mma_tree O0 80,90 $src"; done
+    for src in "${sources[@]}"; do echo "$tree O0 80,90v $src"; done
+    for src in "${mma_sources[@]}"; do echo "$mma_tree O0 80,90v $src"; done
     # the device tools that include the kernels (the wgmma probe, the kernel harness) follow their API
     for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
 }
@@ -52,13 +55,17 @@ jobs() {
 compile() {
     local root=$1 opt=$2 archs=$3 src=$4 gencode=() arch flags=() file log=/dev/null
     [[ $src = /* ]] && file=$src || file=$root/$src
-    for arch in ${archs//,/ }; do gencode+=(-gencode "arch=compute_$arch,code=sm_$arch"); done
+    for arch in ${archs//,/ }; do
+        if [[ $arch = *v ]]; then gencode+=(-gencode "arch=compute_${arch%v},code=compute_${arch%v}")
+        else gencode+=(-gencode "arch=compute_$arch,code=sm_$arch"); fi
+    done
     [ "$opt" = O0 ] && flags=(-Xcicc -O0 -Xptxas -O0)
     [ "$opt" = full ] && flags=(-Xptxas -v) && log=$ptxas_logs/$(basename "$src").log
-    echo "nvcc $opt sm_${archs//,/ sm_} ${src#$PWD/}"
+    local t0=$SECONDS
     nvcc -c -std=c++17 "${gencode[@]}" "${flags[@]}" -DNDEBUG -use_fast_math -extended-lambda \
         -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc" "$file" -o /dev/null 2> "$log"
     local rc=$?
+    echo "nvcc $opt sm_${archs//,/ sm_} ${src#$PWD/}: $((SECONDS - t0)) s"   # after: the seconds say which jobs the step's time goes to
     [ "$log" = /dev/null ] || grep -vE "^ptxas info|^ +[0-9]+ bytes stack frame" "$log" >&2 # warnings and errors as before; the report stays in the log
     return $rc
 }
@@ -80,5 +87,5 @@ mapfile -t mma_sources < <(cd "$mma_tree" && ls src/ggml-cuda/fattn-train*.cu sr
 jobs | xargs -P "$(nproc)" -L 1 bash -c 'compile "$@"' compile || exit 1
 # the spill gate: no TF32 register kernel spills more than ci/ptxas-spills.json records (ci/ptxas_spills.py says why)
 python ci/ptxas_spills.py "$ptxas_logs"/*.log || exit 1
-echo "cuda-compile: ok: ${sources[*]} for sm_90a (and sm_80, sm_90 at -O0); without the wgmma patch,"
-echo "  ${mma_sources[*]} for sm_80 and sm_90 at -O0; the device tools; in $((SECONDS - start)) s"
+echo "cuda-compile: ok: ${sources[*]} for sm_90a (and sm_80, sm_90 PTX at -O0); without the wgmma patch,"
+echo "  ${mma_sources[*]} for sm_80 and sm_90 (PTX) at -O0; the device tools; in $((SECONDS - start)) s"
