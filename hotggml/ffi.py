@@ -56,8 +56,15 @@ def _declare(lib_dir: Path) -> None:
         raise LibraryError(f"{lib_dir} has no {CDEF_FILE} (the declarations a build generates from its headers; "
                            "an older build recipe): rebuild with `hotggml build --backend cpu` (or `pip install .`)")
     text = generated.read_text()
+    if _declared is not None and Path(_declared).is_file() and Path(_declared).read_text() == text:
+        _declared = str(generated)  # the same declarations (another folder of the same build recipe)
+        return
     try:
         ffi.cdef(text + CDEF_EXTRA, override=_declared is not None)
+    except NotImplementedError as exc:  # cffi cannot declare an enum's values a second time
+        raise LibraryError(f"this process has declared the library in {Path(_declared).parent} to cffi; the one in "
+                           f"{lib_dir} declares other functions or enums ({exc}), and a process uses one build: "
+                           "start a new interpreter to use it (HOTGGML_LIB_DIR chooses the folder)") from exc
     except (cffi.CDefError, cffi.FFIError) as exc:
         raise LibraryError(f"{generated} cannot be declared to cffi ({exc}); rebuild with `hotggml build`") from exc
     _declared = str(generated)
@@ -145,6 +152,7 @@ def load():
     """
     lib_dir = find_lib_dir()
     path = lib_dir / _lib_file_name()
+    _refuse_stale(path, _build_record(lib_dir), expected_stamp(lib_dir))  # before cffi declares anything of it
     _declare(lib_dir)
     backend_dl = _build_record(lib_dir).get("backend_dl", False)
     try:
@@ -161,14 +169,22 @@ def load():
         raise LibraryError(shadowed)
     check_layout(lib, path)
     check_cpu(lib_dir)
-    got, want = parse_stamp(stamp), expected_stamp(lib_dir)
+    _refuse_stale(path, parse_stamp(stamp), expected_stamp(lib_dir))  # the library's own stamp decides
+    return lib
+
+
+def _refuse_stale(path: Path, got: dict, want: dict) -> None:
+    """LibraryError when a build's pin + series (`got`: its record or its library's stamp) are not `want`.
+    A record without those fields (an older build recipe) is left to the stamp."""
+    if not got.get("pin") or not got.get("series_hash"):
+        return
+    got = {"pin": got["pin"], "series_hash": got["series_hash"]}
     if got != want:
-        how = ("reinstall the package (`pip install .` from its checkout)" if lib_dir == _package_lib_dir()
+        how = ("reinstall the package (`pip install .` from its checkout)" if path.parent == _package_lib_dir()
                else "rebuild with `hotggml build --backend cpu` (or --backend cuda)")
         raise LibraryError(
             f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
             f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
-    return lib
 
 
 _PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process

@@ -8,6 +8,8 @@ v (B, Nkv, Skv, Dv); O is read from ggml [Dv, Nh, S, B] as (B, S, Nh, Dv).
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -715,3 +717,20 @@ def test_set_copies_and_refuses_what_is_not_an_array(cpu):
         g.build([y])
         g.compute()
         assert np.array_equal(g.read(y).reshape(2, 3), np.full((2, 3), 2, np.float32))
+
+
+def test_a_second_builds_other_declarations_are_refused_by_name(lib, tmp_path):
+    """cffi cannot declare an enum's values twice: a process that has declared one build's API and is pointed at
+    a build whose generated declarations differ (a Vulkan build beside a CPU one) gets a LibraryError naming both
+    folders, not cffi's NotImplementedError, and keeps the declarations it had."""
+    before = hffi._declared
+    (tmp_path / hffi.CDEF_FILE).write_text("enum ggml_status { GGML_STATUS_SUCCESS = 0 };\nint hotggml_other(void);\n")
+    with pytest.raises(LibraryError, match="a process uses one build") as err:
+        hffi._declare(tmp_path)
+    assert str(tmp_path) in str(err.value) and hffi._declared == before
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / hffi.CDEF_FILE).write_text(pathlib.Path(before).read_text())  # identical declarations: accepted
+    hffi._declare(same)
+    assert hffi._declared == str(same / hffi.CDEF_FILE)
+    hffi._declared = before
