@@ -181,7 +181,7 @@ def _refuse_stale(path: Path, got: dict, want: dict) -> None:
     got = {"pin": got["pin"], "series_hash": got["series_hash"]}
     if got != want:
         how = ("reinstall the package (`pip install .` from its checkout)" if path.parent == _package_lib_dir()
-               else "rebuild with `hotggml build --backend cpu` (or --backend cuda)")
+               else "rebuild with `hotggml build --backend cpu` (or --backend cuda, --backend vulkan)")
         raise LibraryError(
             f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
             f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
