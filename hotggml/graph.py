@@ -181,10 +181,11 @@ class Backend:
         """The kernel a FLASH_ATTN_TRAIN(_BACK) node runs here, as the library names it: on CUDA
         ``<precision>-<family>-d<D>[v<Dv>]-smem<KiB>`` for the register family ('tf32-reg-d96-smem227',
         'f32-x3-d192v128-smem99': its instance and shared-memory class), 'f32-scalar', or 'none' (refused);
-        'f32-cpu' on the CPU, which has one path.
+        'f32-vulkan' on a Vulkan device (flash_attn_train.comp), or 'none'; 'f32-cpu' on the CPU, which has one path.
 
         Asked of the library, never inferred from the request: CUDA answers through the proc address
-        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses). Through RPC, 'f32-cpu' when
+        ``ggml_backend_cuda_flash_attn_train_path`` (the decision its dispatch uses), Vulkan through
+        ``ggml_backend_vk_flash_attn_train_path`` (the decision its supports_op uses). Through RPC, 'f32-cpu' when
         the server is a CPU this process serves (hotggml.rpc.Server), else 'f32-rpc' or 'tf32-rpc': the node's
         requested precision (GGML_PREC_DEFAULT may run TF32 on the server's device, and RPC does not report its
         kernels). Raises BackendError for a backend that cannot say.
@@ -196,12 +197,36 @@ class Backend:
             # RPC does not say what the server runs: the precision the node asks for
             f32 = int(lib.ggml_flash_attn_train_get_prec(tensor.ptr)) == lib.GGML_PREC_F32
             return "f32-rpc" if f32 else "tf32-rpc"
+        if device_name.startswith("Vulkan"):
+            why = self._vulkan_path(device_name, tensor)
+            return "none" if why.startswith("none") else why
         dev = lib.ggml_backend_dev_by_name(device_name.encode())
         path = None if dev == ffi.NULL else backend_proc(
             lib.ggml_backend_dev_backend_reg(dev), "ggml_backend_cuda_flash_attn_train_path", "ggml_backend_cuda_fa_train_path_t")
         if path is None or not device_name.startswith("CUDA"):
             raise BackendError(f"{device_name} does not report which flash_attn_train path it runs")
         return ffi.string(path(int(device_name[len("CUDA"):]), tensor.ptr)).decode()
+
+    @staticmethod
+    def _vulkan_path(device_name: str, tensor: "Tensor") -> str:
+        """The Vulkan library's report for a FLASH_ATTN_TRAIN(_BACK) node on device_name ('Vulkan<i>'):
+        'f32-vulkan', or 'none: <why>' (proc address ``ggml_backend_vk_flash_attn_train_path``)."""
+        lib = load()
+        dev = lib.ggml_backend_dev_by_name(device_name.encode())
+        path = None if dev == ffi.NULL else backend_proc(
+            lib.ggml_backend_dev_backend_reg(dev), "ggml_backend_vk_flash_attn_train_path", "ggml_backend_cuda_fa_train_path_t")
+        if path is None:
+            raise BackendError(f"{device_name} does not report which flash_attn_train path it runs "
+                               "(a Vulkan build without the flash-attn-train-vulkan patch)")
+        return ffi.string(path(int(device_name[len("Vulkan"):]), tensor.ptr)).decode()
+
+    def fa_train_refusal(self, tensor: "Tensor") -> str | None:
+        """Why this device refuses a FLASH_ATTN_TRAIN(_BACK) node, as the library says it (Vulkan: from the
+        decision its supports_op uses), or None where it takes the node or cannot say why."""
+        if self.supports_op(tensor) or self.meta_devices is not None or not self.device_name.startswith("Vulkan"):
+            return None
+        why = self._vulkan_path(self.device_name, tensor)
+        return why[len("none: "):] if why.startswith("none: ") else None
 
     def fa_train_pool_peak(self, reset: bool = False) -> int:
         """The most CUDA pool memory (bytes) one FLASH_ATTN_TRAIN(_BACK) node took on this backend's device

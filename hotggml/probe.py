@@ -60,10 +60,11 @@ def probe(case: Case, backend: Backend, prec: str = "default") -> KernelPath:
         back = ops.flash_attn_train_back(g, fwd, g.new_tensor(fwd.ne), grads)
         for node in (fwd, back):
             if not backend.supports_op(node):
+                why = backend.fa_train_refusal(node)
                 raise UnsupportedOpError(
                     f"{backend.device_name} supports_op is false for {node.op_name} at {case.id} ({case.shape}, "
-                    f"prec {prec}): ggml would run it on the CPU instead; this run cannot claim a "
-                    f"{backend.device_name} result")
+                    f"prec {prec}){f' ({why})' if why else ''}: ggml would run it on the CPU instead; this run "
+                    f"cannot claim a {backend.device_name} result")
         views = {"q": ops.get_dq, "k": ops.get_dk, "v": ops.get_dv}
         g.build([ops.get_o(fwd), ops.get_lse(fwd)] + [views[name](back) for name in grads])
         g.plan()

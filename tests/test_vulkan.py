@@ -1,0 +1,116 @@
+"""Vulkan: the fused ops on Vulkan0 (flash_attn_train.comp) against the float64 oracle at the f32 bar, with the
+path the library reports. These run where the loaded build has a Vulkan device (a `hotggml build --backend
+vulkan` build; on a machine without a GPU, Mesa's lavapipe, which ggml shows only when GGML_VK_VISIBLE_DEVICES
+names it) and skip with the reason elsewhere. The exact chain is not run here: ggml-vulkan at the pin has no
+OUT_PROD, which mul_mat's backward needs (issue 22 item 3)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hotggml import cases, parity
+from hotggml.cases import Case
+from hotggml.errors import BackendError, UnsupportedOpError
+from hotggml.graph import Backend, devices
+from hotggml.probe import probe
+
+
+def _vulkan_devices() -> list[str]:
+    return [name for name, _ in devices() if name.startswith("Vulkan")]
+
+
+@pytest.fixture(scope="module")
+def vulkan_device(lib) -> str:
+    found = _vulkan_devices()
+    if not found:
+        pytest.skip("no Vulkan device in the loaded build's registry (a build without GGML_VULKAN, or no Vulkan "
+                    "driver; a CPU driver such as lavapipe shows only with GGML_VK_VISIBLE_DEVICES=0)")
+    return found[0]
+
+
+def test_absent_vulkan_fails_loudly(lib):
+    if _vulkan_devices():
+        pytest.skip("this build has a Vulkan device: absence cannot be tested here")
+    with pytest.raises(BackendError, match="Vulkan0"):
+        Backend("Vulkan0")
+    run = subprocess.run([sys.executable, "-m", "hotggml", "parity", "--backend", "vulkan", "-p", "^tiny$"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Vulkan0" in run.stderr and "Traceback" not in run.stderr
+
+
+def _passes(case: Case, device: str) -> parity.CaseResult:
+    result = parity.run_case(case, device, prec="f32", with_chain=False)
+    assert result.kernel == "f32-vulkan" and result.precision == "f32"  # what the library reports it ran
+    assert result.passed, f"{case.id}: " + "; ".join(result.failures)
+    assert result.checks["fused_nodes_on_backend"] is True
+    assert result.checks["bitwise_across_runs"] is True  # two runs, bit for bit
+    return result
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("case", cases.SMOKE, ids=lambda c: c.id)
+def test_vulkan_parity_smoke(vulkan_device, case):
+    _passes(case, vulkan_device)
+
+
+# shapes the smoke set does not reach on the shaders: the largest head size, D != Dv far apart (neither a
+# multiple of the 8 columns a thread strides by), an f16 mask with an odd number of halves (its binding
+# rounded up to whole words), GQA 4 with an implicit causal mask, and long loops over the query rows of a GQA
+# group in the dK/dV shader (many blocks per key tile, S != Skv, padding keys holding NaN)
+EXTRA = [
+    Case("vk-d256", Nh=2, Nkv=1, D=256, S=19, Skv=27, mask="causal"),
+    Case("vk-d200v72", Nh=4, Nkv=2, D=200, Dv=72, S=21, Skv=35, mask="padding", pad_keys=3, garbage=True),
+    Case("vk-odd-mask-halves", Nh=2, Nkv=1, D=8, S=7, Skv=9, mask="bias"),
+    Case("vk-gqa4-causal", Nh=8, Nkv=2, D=64, S=50, Skv=50, causal=True),
+    Case("vk-gqa-long-loops", Nh=4, Nkv=2, D=32, S=300, Skv=260, mask="padding", pad_keys=5, garbage=True),
+]
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("case", EXTRA, ids=lambda c: c.id)
+def test_vulkan_parity_extra(vulkan_device, case):
+    if case.id == "vk-odd-mask-halves":
+        assert case.Skv * case.S % 2 == 1  # the stored mask holds an odd number of halves
+    _passes(case, vulkan_device)
+
+
+@pytest.mark.vulkan
+def test_vulkan_refuses_d512_by_name(vulkan_device):
+    with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at d512-refused") as err:
+        probe(cases.LIMITS[0], be)
+    assert "above 256" in str(err.value)  # the library's reason, through the probe
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("k_type", ["q8_0", "f16"])
+def test_vulkan_refuses_stored_k_by_name(vulkan_device, k_type):
+    """K/V in f32 only on Vulkan at first: a cache in a stored type is refused by name, never run on the CPU."""
+    case = Case(f"vk-k-{k_type}", Nh=2, Nkv=1, D=32, S=8, Skv=16, k_type=k_type)
+    with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match=f"FLASH_ATTN_TRAIN at vk-k-{k_type}") as err:
+        probe(case, be)
+    assert "K is not f32" in str(err.value)
+
+
+# -- the split graph: forward on the device, backward pinned to the CPU (SPEC §4) ----------------------------
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("case_id", ["lse-loss", "odd-causal-cross", "q-view-bias", "gqa-band", "nan-padding-keys"])
+def test_split_backward_on_cpu(vulkan_device, case_id):
+    """ggml's scheduler runs the forward on Vulkan0 and, pinned with set_tensor_backend, the backward on the
+    CPU: the forward's bytes cross the split as a plain copy, and the gradients still pass parity."""
+    case = next(c for c in cases.SMOKE if c.id == case_id)
+    with Backend(vulkan_device) as be:
+        fused = parity.run_fused(case, be, "f32", backward_on="CPU")
+    assert fused.placement == {"FLASH_ATTN_TRAIN": vulkan_device, "FLASH_ATTN_TRAIN_BACK": "CPU"}
+    assert fused.n_splits >= 2
+    assert fused.lse_gap_zero
+    ref = parity.run_oracle(case)
+    live = ~parity.oracle.masked_rows(case.mask_array(), case.B, case.S)
+    errs = parity._compare(fused, ref, live)
+    assert all(np.max(np.abs(getattr(ref, g))) > 0 for g in ("dq", "dk", "dv"))
+    assert max(errs.values()) <= parity.BARS["f32"], errs
