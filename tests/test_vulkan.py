@@ -68,6 +68,10 @@ EXTRA = [
     Case("vk-odd-mask-halves", Nh=2, Nkv=1, D=8, S=7, Skv=9, mask="bias"),
     Case("vk-gqa4-causal", Nh=8, Nkv=2, D=64, S=50, Skv=50, causal=True),
     Case("vk-gqa-long-loops", Nh=4, Nkv=2, D=32, S=300, Skv=260, mask="padding", pad_keys=5, garbage=True),
+    # the dK/dV shader's loop over a GQA group's rows, long at a large D: 256 row blocks per key tile at D 128.
+    # With dot products looping to D at run time this crossed lavapipe's 65535 shader loop iterations and its
+    # accumulation stopped part way (dK, dV wrong at the real set's Nh 16 / Nkv 8 / D 128 / S 1024)
+    Case("vk-dkv-long-group-loop", Nh=4, Nkv=1, D=128, S=512, Skv=16),
 ]
 
 
@@ -114,3 +118,17 @@ def test_split_backward_on_cpu(vulkan_device, case_id):
     errs = parity._compare(fused, ref, live)
     assert all(np.max(np.abs(getattr(ref, g))) > 0 for g in ("dq", "dk", "dv"))
     assert max(errs.values()) <= parity.BARS["f32"], errs
+
+
+@pytest.mark.vulkan
+def test_lavapipe_loop_limit_refused_by_name(vulkan_device):
+    """lavapipe ends a shader's loops after 65535 iterations counted together, silently: supports_op refuses a
+    shape with more tiles per workgroup than that leaves (the forward's key tiles here), and the probe says why."""
+    from hotggml.graph import devices as registry
+
+    if "llvmpipe" not in dict(registry())[vulkan_device]:
+        pytest.skip(f"{vulkan_device} is not lavapipe: the loop limit is that driver's")
+    case = Case("vk-lavapipe-tiles", Nh=1, Nkv=1, D=8, S=8, Skv=8 * 65536)
+    with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at vk-lavapipe-tiles") as err:
+        probe(case, be)
+    assert "65535" in str(err.value)
