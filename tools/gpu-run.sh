@@ -10,7 +10,8 @@
 # the exact chain at every SPEC §7 geometry, TFLOP/s against the measured TF32 ceiling, arenas, the TF32 path
 # under the 99 and 163 KiB shared-memory caps, a per-node profile), probe at every field geometry, the
 # named refusal of D = 512, parity under both caps, and a build for 80-virtual (PTX) with parity under the
-# 99 KiB cap: the consumer card's code path. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
+# 99 KiB cap: the consumer card's code path; with tools/vulkan-kit.sh's packages carried, a Vulkan build and its
+# parity, tests and bench on the NVIDIA Vulkan driver. Wheels in .whl (cffi, pycparser, gitpython, gitdb, smmap) are installed first when
 # present. Everything goes to OUTDIR/run.log (plus the parity JSON records); a summary table is printed
 # last. Exit status: 0 when every step gave what it must. ONLY='build|chunk-tf32' (a regex on step names)
 # runs a subset: a second call on a machine still warm reuses the build (a call runs 10 minutes at most).
@@ -89,6 +90,23 @@ for kib in 99 163; do
 done
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
+# the training ops on the NVIDIA driver's Vulkan ICD (issue 22), where tools/vulkan-kit.sh's packages were carried
+# (.gl, .vkdev): a Vulkan build, parity smoke + real (each fused arm twice, bitwise), the Vulkan tests, a fused bench
+if [ -d .gl ] && [ -d .vkdev ]; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+    mkdir -p /tmp/vkroot; for f in .vkdev/*.deb; do dpkg -x "$f" /tmp/vkroot; done
+    vk=/tmp/vkroot/usr
+    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    step build-vulkan pass env PATH="$vk/bin:$PATH" LD_LIBRARY_PATH="$vk/lib/x86_64-linux-gnu" python3 -m hotggml build \
+        --backend vulkan --jobs "$(nproc)" -D Vulkan_INCLUDE_DIR=$vk/include -D Vulkan_LIBRARY=$vk/lib/x86_64-linux-gnu/libvulkan.so.1 \
+        -D Vulkan_GLSLC_EXECUTABLE=$vk/bin/glslc
+    vklib=$(ls -d "$PWD"/.hotggml/build/vulkan-*/lib 2>/dev/null | head -n 1)
+    step parity-vulkan pass env HOTGGML_LIB_DIR="$vklib" python3 -m hotggml parity -b vulkan --set smoke --set real --no-chain \
+        --json "$out/parity-vulkan.json"
+    step vulkan-tests pass env HOTGGML_LIB_DIR="$vklib" python3 -m pytest tests/test_vulkan.py -v -m vulkan -rs -p no:cacheprovider
+    step bench-vulkan pass env HOTGGML_LIB_DIR="$vklib" python3 -m hotggml bench -b vulkan --set field -p '^dit-' --runs 5 \
+        --no-chain --no-f32
+fi
 # a consumer card's code path: PTX for 80-virtual (JIT-compiled here; mma.sync, since wgmma is chosen at compile
 # time) under the 99 KB cap. Last: the newest CUDA build is the one the steps after it load
 step build-80v pass hg build --backend cuda --cuda-arch 80-virtual --jobs "$(nproc)"
