@@ -47,3 +47,4 @@ def cpu(lib):
 
     with Backend("CPU", n_threads=2) as be:
         yield be
+

@@ -5,40 +5,25 @@ back to the CPU (that test runs where there is no CUDA device, as in CI)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _backends import assert_absent_backend_fails_loudly, first_device_or_skip
+
 from hotggml import cases, parity
 from hotggml.cases import Case
-from hotggml.errors import BackendError
-from hotggml.graph import Backend, Graph, devices
-
-
-def _cuda_devices() -> list[str]:
-    return [name for name, _ in devices() if name.startswith("CUDA")]
+from hotggml.graph import Backend, Graph
 
 
 @pytest.fixture(scope="module")
 def cuda_device(lib) -> str:
-    found = _cuda_devices()
-    if not found:
-        pytest.skip("no CUDA device in the loaded build's registry (a CPU build, or no GPU on this machine); "
-                    "the CUDA tests run on the GPU machine through tools/gpu-run.sh")
-    return found[0]
+    return first_device_or_skip("CUDA", "a CPU build, or no GPU on this machine; "
+                                "the CUDA tests run on the GPU machine through tools/gpu-run.sh")
 
 
 def test_absent_cuda_fails_loudly(lib):
-    if _cuda_devices():
-        pytest.skip("this build has a CUDA device: absence cannot be tested here")
-    with pytest.raises(BackendError, match="CUDA0"):
-        Backend("CUDA0")
-    run = subprocess.run([sys.executable, "-m", "hotggml", "parity", "--backend", "cuda", "-p", "^tiny$"],
-                         capture_output=True, text=True)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "CUDA0" in run.stderr and "Traceback" not in run.stderr
+    assert_absent_backend_fails_loudly("CUDA", "cuda")
 
 
 @pytest.mark.cuda

@@ -6,41 +6,27 @@ OUT_PROD, which mul_mat's backward needs (issue 22 item 3)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _backends import assert_absent_backend_fails_loudly, first_device_or_skip
+
 from hotggml import cases, parity
 from hotggml.cases import Case
-from hotggml.errors import BackendError, UnsupportedOpError
-from hotggml.graph import Backend, devices
+from hotggml.errors import UnsupportedOpError
+from hotggml.graph import Backend
 from hotggml.probe import probe
-
-
-def _vulkan_devices() -> list[str]:
-    return [name for name, _ in devices() if name.startswith("Vulkan")]
 
 
 @pytest.fixture(scope="module")
 def vulkan_device(lib) -> str:
-    found = _vulkan_devices()
-    if not found:
-        pytest.skip("no Vulkan device in the loaded build's registry (a build without GGML_VULKAN, or no Vulkan "
-                    "driver; a CPU driver such as lavapipe shows only with GGML_VK_VISIBLE_DEVICES=0)")
-    return found[0]
+    return first_device_or_skip("Vulkan", "a build without GGML_VULKAN, or no Vulka"
+                                "n driver; a CPU driver such as lavapipe shows only with GGML_VK_VISIBLE_DEVICES=0")
 
 
 def test_absent_vulkan_fails_loudly(lib):
-    if _vulkan_devices():
-        pytest.skip("this build has a Vulkan device: absence cannot be tested here")
-    with pytest.raises(BackendError, match="Vulkan0"):
-        Backend("Vulkan0")
-    run = subprocess.run([sys.executable, "-m", "hotggml", "parity", "--backend", "vulkan", "-p", "^tiny$"],
-                         capture_output=True, text=True)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "Vulkan0" in run.stderr and "Traceback" not in run.stderr
+    assert_absent_backend_fails_loudly("Vulkan", "vulkan")
 
 
 def _passes(case: Case, device: str) -> parity.CaseResult:
