@@ -21,8 +21,8 @@ from hotggml.probe import probe
 
 @pytest.fixture(scope="module")
 def vulkan_device(lib) -> str:
-    return first_device_or_skip("Vulkan", "a build without GGML_VULKAN, or no Vulka"
-                                "n driver; a CPU driver such as lavapipe shows only with GGML_VK_VISIBLE_DEVICES=0")
+    return first_device_or_skip("Vulkan", "a build without GGML_VULKAN, or no Vulkan driver; a CPU driver "
+                                "such as lavapipe shows only with GGML_VK_VISIBLE_DEVICES=0")
 
 
 def test_absent_vulkan_fails_loudly(lib):
