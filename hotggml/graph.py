@@ -223,7 +223,8 @@ class Backend:
     def fa_train_refusal(self, tensor: "Tensor") -> str | None:
         """Why this device refuses a FLASH_ATTN_TRAIN(_BACK) node, as the library says it (Vulkan: from the
         decision its supports_op uses), or None where it takes the node or cannot say why."""
-        if self.supports_op(tensor) or self.meta_devices is not None or not self.device_name.startswith("Vulkan"):
+        # the device's name first: elsewhere no second supports_op query (the caller asked it already)
+        if self.meta_devices is not None or not self.device_name.startswith("Vulkan") or self.supports_op(tensor):
             return None
         why = self._vulkan_path(self.device_name, tensor)
         return why[len("none: "):] if why.startswith("none: ") else None

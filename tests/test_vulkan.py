@@ -1,11 +1,10 @@
 """Vulkan: the fused ops on Vulkan0 (flash_attn_train.comp) against the float64 oracle at the f32 bar, with the
 path the library reports. These run where the loaded build has a Vulkan device (a `hotggml build --backend
 vulkan` build; on a machine without a GPU, Mesa's lavapipe, which ggml shows only when GGML_VK_VISIBLE_DEVICES
-names it) and skip with the reason elsewhere. The exact chain is not run here: ggml-vulkan at the pin has no
-OUT_PROD, which mul_mat's backward needs (issue 22 item 3)."""
+names it) and skip with the reason elsewhere. The exact chain runs on Vulkan0 too (its backward needs OUT_PROD:
+patch vulkan-out-prod)."""
 
 from __future__ import annotations
-
 
 import numpy as np
 import pytest
@@ -42,6 +41,19 @@ def _passes(case: Case, device: str) -> parity.CaseResult:
 @pytest.mark.parametrize("case", cases.SMOKE, ids=lambda c: c.id)
 def test_vulkan_parity_smoke(vulkan_device, case):
     _passes(case, vulkan_device)
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("case", [Case("vk-chain-gqa-bias", Nh=4, Nkv=2, D=16, Dv=8, S=9, Skv=13, mask="bias"),
+                                  Case("vk-chain-causal", Nh=2, Nkv=2, D=32, S=17, Skv=17, causal=True)],
+                         ids=lambda c: c.id)
+def test_vulkan_exact_chain(vulkan_device, case):
+    """The exact chain (mul_mat -> soft_max_ext -> mul_mat through autodiff: OUT_PROD, SOFT_MAX_BACK) on Vulkan0
+    against float64 at the f32 bar, and the fused arm against it."""
+    result = parity.run_case(case, vulkan_device, prec="f32", with_chain=True)
+    assert result.passed, f"{case.id}: " + "; ".join(result.failures)
+    assert result.errors["chain~oracle"] and result.errors["fused~chain"]
+    assert max(result.errors["chain~oracle"].values()) <= result.chain_bar
 
 
 # shapes the smoke set does not reach on the shaders: the largest head size, D != Dv far apart (neither a
