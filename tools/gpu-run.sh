@@ -91,21 +91,26 @@ done
 step probe-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg probe --backend cuda --set limits
 step parity-d512 fail:"supports_op is false for FLASH_ATTN_TRAIN at d512-refused" hg parity --backend cuda --set limits
 # the training ops on the NVIDIA driver's Vulkan ICD (issue 22), where tools/vulkan-kit.sh's packages were carried
-# (.gl, .vkdev): a Vulkan build, parity smoke + real (each fused arm twice, bitwise), the Vulkan tests, a fused bench
+# (.gl, .vkdev): a Vulkan build with ggml's tests, parity smoke + real against the oracle and the exact chain on Vulkan0
+# (each fused arm twice, bitwise), test-backend-ops on Vulkan0, the Vulkan tests, the bench against the Vulkan chain
 if [ -d .gl ] && [ -d .vkdev ]; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     mkdir -p /tmp/vkroot; for f in .vkdev/*.deb; do dpkg -x "$f" /tmp/vkroot; done
     vk=/tmp/vkroot/usr
     icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
     step build-vulkan pass env PATH="$vk/bin:$PATH" LD_LIBRARY_PATH="$vk/lib/x86_64-linux-gnu" python3 -m hotggml build \
-        --backend vulkan --jobs "$(nproc)" -D Vulkan_INCLUDE_DIR=$vk/include -D Vulkan_LIBRARY=$vk/lib/x86_64-linux-gnu/libvulkan.so.1 \
+        --backend vulkan --jobs "$(nproc)" --tests -D Vulkan_INCLUDE_DIR=$vk/include -D Vulkan_LIBRARY=$vk/lib/x86_64-linux-gnu/libvulkan.so.1 \
         -D Vulkan_GLSLC_EXECUTABLE=$vk/bin/glslc
     vklib=$(ls -d "$PWD"/.hotggml/build/vulkan-*/lib 2>/dev/null | head -n 1)
-    step parity-vulkan pass env HOTGGML_LIB_DIR="$vklib" python3 -m hotggml parity -b vulkan --set smoke --set real --no-chain \
+    step parity-vulkan pass env HOTGGML_LIB_DIR="$vklib" python3 -m hotggml parity -b vulkan --set smoke --set real \
         --json "$out/parity-vulkan.json"
+    for m in "test OUT_PROD" "test FLASH_ATTN_TRAIN" "test FLASH_ATTN_TRAIN_BACK" "grad FLASH_ATTN_TRAIN"; do
+        set -- $m
+        step "backend-ops-vulkan-$1-$2" pass "$vklib/test-backend-ops" $1 -o $2 -b Vulkan0
+    done
     step vulkan-tests pass env HOTGGML_LIB_DIR="$vklib" python3 -m pytest tests/test_vulkan.py -v -m vulkan -rs -p no:cacheprovider
     step bench-vulkan pass env HOTGGML_LIB_DIR="$vklib" python3 -m hotggml bench -b vulkan --set field -p '^dit-' --runs 5 \
-        --no-chain --no-f32
+        --no-f32
 fi
 # a consumer card's code path: PTX for 80-virtual (JIT-compiled here; mma.sync, since wgmma is chosen at compile
 # time) under the 99 KB cap. Last: the newest CUDA build is the one the steps after it load
