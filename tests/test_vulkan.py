@@ -126,7 +126,7 @@ def test_lavapipe_loop_limit_refused_by_name(vulkan_device):
 
     if "llvmpipe" not in dict(registry())[vulkan_device]:
         pytest.skip(f"{vulkan_device} is not lavapipe: the loop limit is that driver's")
-    case = Case("vk-lavapipe-tiles", Nh=1, Nkv=1, D=8, S=8, Skv=8 * 65536)
+    case = Case("vk-lavapipe-tiles", Nh=1, Nkv=1, D=8, S=8, Skv=32 * 65536)  # 65536 key tiles of 32
     with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at vk-lavapipe-tiles") as err:
         probe(case, be)
     assert "65535" in str(err.value)
