@@ -130,3 +130,10 @@ def test_lavapipe_loop_limit_refused_by_name(vulkan_device):
     with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN at vk-lavapipe-tiles") as err:
         probe(case, be)
     assert "65535" in str(err.value)
+    # each key tile of the dQ shader also runs its two score products' loops over depth chunks of 16 (D = Dv = 256: 32
+    # of them): 2100 tiles x 33 iterations pass the limit though the tiles alone do not, 1900 x 33 (62700) fit
+    refused = Case("vk-lavapipe-depth-chunks", Nh=1, Nkv=1, D=256, S=8, Skv=32 * 2100)
+    with Backend(vulkan_device) as be, pytest.raises(UnsupportedOpError, match="FLASH_ATTN_TRAIN_BACK at vk-lavapipe-depth-chunks .*65535"):
+        probe(refused, be)
+    with Backend(vulkan_device) as be:
+        probe(Case("vk-lavapipe-depth-chunks-fit", Nh=1, Nkv=1, D=256, S=8, Skv=32 * 1900), be)
