@@ -2,7 +2,7 @@
 # Compiles (never runs) every CUDA source the patch series adds or changes, for sm_80, sm_90 and sm_90a (the
 # wgmma path of the register kernels), the training kernels of the series without its wgmma patch for sm_80
 # and sm_90, and the device tools, so a kernel or dispatch that does not compile fails the gate on a machine
-# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 (PTX) at -O0: see jobs()), and a TF32
+# without a GPU (sm_90a with the release build's optimization, sm_80 and sm_90 at -O0, as PTX but for two sources: see jobs()), and a TF32
 # register kernel that spills more than its recorded baseline fails it too (ci/ptxas_spills.py). cuBLAS headers
 # (ggml-cuda's common.cuh includes them) come from the nvidia-cublas wheel, fetched by name through pip
 # into .hotggml/cache once. Prints the seconds it took. Without nvcc on PATH it says so and exits 0.
@@ -38,15 +38,20 @@ fi
 # release build's device code generation; "O0" turns NVVM's and ptxas' optimizers off: the front end,
 # every template instantiation and static_assert, and the PTX assembly are the same, in a third of the time.
 # sm_90a (the wgmma path, whose products ptxas schedules) is compiled as the release build does; sm_80 and sm_90
-# (the mma.sync path, in both trees) at -O0. An arch written "90v" is compiled to PTX only (compute_90: what a
-# `90-virtual` build ships, its front end and NVVM at that arch): ptxas at -O0 on unoptimized PTX is most of an
-# O0 job's time (34 s of 41 for the d160 instance at sm_80), and sm_90's mma.sync assembly is sm_80's, which ptxas
-# checks in the same job.
+# (the mma.sync path, in both trees) at -O0. An arch written "80v" or "90v" is compiled to PTX only (compute_80,
+# compute_90: what a `*-virtual` build ships, its front end and NVVM at that arch, every template instance and
+# static_assert): ptxas at -O0 on unoptimized PTX is most of an O0 job's time (34 s of 41 for the d160 instance at
+# sm_80), and what only it checks (the inline PTX the kernels write: mma.sync, ldmatrix, cp.async, the same strings
+# at every head size) it checks in the sm_90a release compile and, for sm_80, in the mma.sync tree's dispatch source
+# and its d64 instance.
 jobs() {
-    local src
+    local src archs
     for src in "${sources[@]}"; do echo "$tree full 90a $src"; done   # the long ones first: no idle core at the end
-    for src in "${sources[@]}"; do echo "$tree O0 80,90v $src"; done
-    for src in "${mma_sources[@]}"; do echo "$mma_tree O0 80,90v $src"; done
+    for src in "${sources[@]}"; do echo "$tree O0 80v,90v $src"; done
+    for src in "${mma_sources[@]}"; do
+        case $src in */fattn-train.cu|*/fattn-train-instance-d64.cu) archs=80,90v ;; *) archs=80v,90v ;; esac
+        echo "$mma_tree O0 $archs $src"
+    done
     # the device tools that include the kernels (the wgmma probe, the kernel harness) follow their API
     for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
 }
@@ -88,4 +93,5 @@ jobs | xargs -P "$(nproc)" -L 1 bash -c 'compile "$@"' compile || exit 1
 # the spill gate: no TF32 register kernel spills more than ci/ptxas-spills.json records (ci/ptxas_spills.py says why)
 python ci/ptxas_spills.py "$ptxas_logs"/*.log || exit 1
 echo "cuda-compile: ok: ${sources[*]} for sm_90a (and sm_80, sm_90 PTX at -O0); without the wgmma patch,"
-echo "  ${mma_sources[*]} for sm_80 and sm_90 (PTX) at -O0; the device tools; in $((SECONDS - start)) s"
+echo "  ${mma_sources[*]} for sm_80 and sm_90 (PTX; sm_80 SASS for the dispatch and d64) at -O0; the device tools;"
+echo "  in $((SECONDS - start)) s"
