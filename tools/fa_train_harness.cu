@@ -248,7 +248,7 @@ int main(int argc, char ** argv) {
         CK(cudaMemcpy(L.data(), p.LSE, nL*sizeof(float), cudaMemcpyDeviceToHost));
     };
     const size_t f32_limit = (size_t) dev_kb;
-    auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; fa_train_launch(fa_train_fwd_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 0).total*sizeof(float), f32_limit, p, 0); };
+    auto f32 = [&]() { const int R = FA_TRAIN_F32_BR; fa_train_launch(fa_train_f32<0>, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 0).total*sizeof(float), f32_limit, p, 0); };
     // the register kernels read the stored mask's cells: computed in each timed launch, as the backend does
     uint8_t * cells = nullptr;
     const size_t ncells = (size_t) ((S + FA_CELL - 1)/FA_CELL)*((Skv + FA_CELL - 1)/FA_CELL);
@@ -331,8 +331,8 @@ int main(int argc, char ** argv) {
     };
     auto bwd_f32 = [&]() {
         const int R = FA_TRAIN_F32_BR, BC = FA_TRAIN_BC;
-        fa_train_launch(fa_train_bwd_dq_f32, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 1).total*sizeof(float), f32_limit, p, 0);
-        fa_train_launch(fa_train_bwd_dkv_f32, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 2).total*sizeof(float), f32_limit, p, 0);
+        fa_train_launch(fa_train_f32<1>, dim3((S + R - 1)/R, Nh, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 1).total*sizeof(float), f32_limit, p, 0);
+        fa_train_launch(fa_train_f32<2>, dim3((Skv + BC - 1)/BC, Nkv, 1), FA_TRAIN_F32_NT, fa_f32_get_layout(D, Dv, 2).total*sizeof(float), f32_limit, p, 0);
     };
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     const int split = fa_dkv_split(p, rows, nsm);
