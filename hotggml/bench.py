@@ -269,18 +269,32 @@ def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, wit
                     {kib: med[f"tf32@{kib}"] for kib in caps}, kv_bytes, pool_peak)
 
 
+# what the default-precision arm ran, by the kernels' names ("tf32-reg-d128-smem227", "f32-vulkan", "f32-cpu")
+DEFAULT_ARM_MEANS = {"tf32": "on TF32 tensor cores", "f32": "in f32 (this backend has no TF32 path)",
+                     "default": "on TF32 at some rows, in f32 at others (the kernel column says which)"}
+
+
+def default_arm_label(rows: list[FieldRow]) -> str:
+    """The column label of the default-precision arm: "tf32" where every row's kernel is a TF32 one, "f32"
+    where none is (the CPU, Vulkan, CUDA below sm_80), "default" for a mix; from the kernels that ran (the
+    path report), never from the request."""
+    tf32 = {r.kernels.get("fused_tf32", "").startswith("tf32-") for r in rows}
+    return "tf32" if tf32 == {True} else "f32" if tf32 == {False} else "default"
+
+
 def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
     caps = sorted({kib for r in rows for kib in r.capped})
-    head = (f"{'case':<26} {'tf32 ms':>9} {'f32 ms':>9} {'chain ms':>9} {'tf32/chain':>10} {'TFLOP/s':>8} "
-            f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}  {'tf32 kernel':<22}"
+    d = default_arm_label(rows)
+    head = (f"{'case':<26} {f'{d} ms':>9} {'PREC_F32 ms':>11} {'chain ms':>9} {f'{d}/chain':>10} {'TFLOP/s':>8} "
+            f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}  {f'{d} kernel':<22}"
             + "".join(f" {f'@{kib} ms':>9} {'x':>5}" for kib in caps))
-    lines = [f"fwd+bwd per attention site on {device}; TF32 ceiling (ggml mul_mat 8192^3) {ceiling:.1f} TFLOP/s",
-             head, "-" * len(head)]
+    lines = [f"fwd+bwd per attention site on {device}; ceiling (ggml's f32 mul_mat 8192^3: TF32 tensor cores on CUDA) "
+             f"{ceiling:.1f} TFLOP/s", head, "-" * len(head)]
     for r in rows:
         tflops = r.flops / r.fused_tf32 / 1e12
         def ms(x):
             return f"{x * 1e3:9.2f}" if x is not None else f"{'-':>9}"
-        lines.append(f"{r.case:<26} {ms(r.fused_tf32)} {ms(r.fused_f32)} {ms(r.chain)} "
+        lines.append(f"{r.case:<26} {ms(r.fused_tf32)}   {ms(r.fused_f32)} {ms(r.chain)} "
                      + (f"{r.ratio:10.3f}" if r.ratio is not None else f"{'-':>10}")
                      + f" {tflops:8.1f} {100 * tflops / ceiling:6.1f} {r.fused_arena / 2**20:9.1f} "
                      + (f"{r.chain_arena / 2**20:9.1f} {100 * r.fused_arena / r.chain_arena:7.1f}"
@@ -289,8 +303,10 @@ def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
                      + "".join(f" {ms(r.capped[kib])} {r.capped[kib] / r.fused_tf32:5.2f}" if kib in r.capped
                                else f" {'-':>9} {'-':>5}" for kib in caps))
     lines += ["",
-              "tf32/chain: the fused TF32 arm's median over the exact chain's (paired, interleaved); TFLOP/s: of the",
-              "  fused TF32 arm at FlashAttention-2's count; tf32 kernel: what it ran (family-instance-shared-memory class)."]
+              f"{d} ms: the fused arm at the default precision, which ran {DEFAULT_ARM_MEANS[d]}; {d}/chain: its median",
+              "  over the exact chain's (paired, interleaved); TFLOP/s: of that arm at FlashAttention-2's count;",
+              f"  {d} kernel: what it ran (family-instance-shared-memory class); PREC_F32 ms: the fused arm with",
+              "  GGML_PREC_F32 (on CUDA the compensated 3xTF32 product)."]
     if any(r.pool_peak is not None for r in rows):
         lines += ["", "device memory per step (MiB): K/V as the graph holds them, the fused graph's arena, and the op's most",
                   "  pool memory in one node (TF32 arm; mask cells, TF32 copies of the streamed operands, D_i, dK/dV parts)"]

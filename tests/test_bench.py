@@ -104,3 +104,21 @@ def test_memory_at_a_million_queries_allocates_no_input_data(lib):
     run, rss = _child_max_rss("memory", "--seq", "100000000", "--no-chain")
     assert run.returncode == 0 and run.stdout.splitlines()[-1].split()[0] == "100000000", run.stderr
     assert rss < 2**30
+
+
+def _row(kernel: str) -> bench.FieldRow:
+    return bench.FieldRow("c", "s", 1e-3, None, 2e-3, 1 << 20, 2 << 20, 10**9, {"fused_tf32": kernel})
+
+
+@pytest.mark.parametrize("kernels, label", [
+    (["tf32-reg-d128-smem227", "tf32-reg-d80-smem99"], "tf32"),
+    (["f32-vulkan", "f32-vulkan"], "f32"),
+    (["f32-cpu"], "f32"),
+    (["tf32-reg-d128-smem227", "f32-scalar"], "default"),
+])
+def test_the_field_table_names_the_default_arm_by_what_ran(kernels, label):
+    # a Vulkan or CPU table must not head its default-precision column "tf32": that arm ran f32 kernels there
+    table = bench.format_field([_row(k) for k in kernels], 30.0, "Dev0")
+    head = table.splitlines()[1].split()
+    assert f"{label}/chain" in head and f"{label} " in table.splitlines()[1]
+    assert {"tf32", "f32", "default"} - {label} & {h.split("/")[0] for h in head if h.endswith("/chain")} == set()
