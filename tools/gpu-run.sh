@@ -3,7 +3,7 @@
 #   bash tools/gpu-run.sh OUTDIR
 # Materializes the pin from the sdist carried in .hotggml/cache (that machine has no network), applies
 # the series, builds the CUDA backend for CUDA_ARCH (default 90a, an H200), then runs the mma lane-map
-# probe, the wgmma operand-layout probe (sm_XXa), parity smoke + real on CUDA0 at both precisions, parity smoke
+# probe, the wgmma operand-layout probe (sm_XXa), parity smoke + real (and the field cases of issue 18's head sizes) on CUDA0 at both precisions, parity smoke
 # through the meta device over two instances of CUDA0 (split by heads, bitwise vs CUDA0), test-backend-ops for both ops on CUDA0 (test and
 # grad modes), the long-context chunk on TF32 and f32 against the per-head float64 oracle, the CUDA tests (with
 # the split graph: forward on CUDA0, backward pinned to the CPU), the field table (TF32 and f32 fused vs
@@ -61,6 +61,12 @@ step build pass hg build --backend cuda --cuda-arch "$arch" --jobs "$(nproc)" --
 step parity-f32 pass hg parity --backend cuda --set smoke --set real --set types --prec f32 --json "$out/parity-f32.json"
 step parity-tf32 pass hg parity --backend cuda --set smoke --set real --set types --prec default --json "$out/parity-tf32.json"
 step tf32-above-f32 pass python3 tools/compare_precisions.py "$out/parity-f32.json" "$out/parity-tf32.json"
+# the field geometries of issue 18's head sizes (72, 80, 96, 112, 160, 192 / 128) and the batch-4 padding case, against
+# the float64 oracle and the exact chain at both precisions (the SPEC section 7 D = 128 rows are in `real` or timed only)
+for prec in f32 default; do
+    step parity-field-$prec pass hg parity --backend cuda --set field -p '^(?!chunk-|dit-self-|dit-cross-|lm-causal-|lm4b-)' \
+        --prec $prec --json "$out/parity-field-$prec.json"
+done
 # ggml's meta device over two instances of CUDA0 (issue 23): the fused arm split by heads, bitwise equal to CUDA0
 for prec in f32 default; do
     step parity-meta-$prec pass hg parity --backend "Meta(CUDA0,CUDA0)" --set smoke --prec $prec --json "$out/parity-meta-$prec.json"
