@@ -57,8 +57,8 @@ fi
 ops=$lib/test-backend-ops
 job backend-ops-test      "$ops" test -o FLASH_ATTN_TRAIN -b Vulkan0 "${params[@]}"
 job backend-ops-test-back "$ops" test -o FLASH_ATTN_TRAIN_BACK -b Vulkan0 "${params[@]}"
-job backend-ops-grad      "$ops" grad -o FLASH_ATTN_TRAIN -b Vulkan0
-job backend-ops-grad-back "$ops" grad -o FLASH_ATTN_TRAIN_BACK -b Vulkan0
+job backend-ops-grad      "$ops" grad -o FLASH_ATTN_TRAIN -b Vulkan0 "${params[@]}"
+job backend-ops-grad-back "$ops" grad -o FLASH_ATTN_TRAIN_BACK -b Vulkan0 "${params[@]}"
 job parity-smoke python -m hotggml parity -b vulkan --set smoke --no-chain --json "$logs/parity-smoke.json"
 job vulkan-tests python -m pytest tests/test_vulkan.py -q -m vulkan -rs -p no:cacheprovider -k "$tests_k"
 scope="test-backend-ops at the smoke set's head sizes"
