@@ -3,7 +3,9 @@
 # .gitattributes must keep every patch byte-exact and every script LF, so the clone's own main job passes.
 # Uses the pinned sdist this checkout cached (no second download), its own state folder (the clone fetches,
 # checks and applies its own patches), and this checkout's builds: keyed by pin, code and options, the clone's
-# build is this checkout's one exactly when its patches came out byte-identical, else it builds its own.
+# build is this checkout's one exactly when its patches came out byte-identical, else it builds its own. The
+# clone's main job stops after its build when that build is this checkout's (the same library: its parity, memory,
+# bench and probe are the ones this checkout's main job ran), and runs whole when it is not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -15,5 +17,15 @@ if grep -rlI $'\r' "$clone/repo/patches" "$clone/repo/ci" "$clone/repo/.ci" "$cl
     exit 1
 fi
 sdist=$(ls "$root"/.hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1 || true)
+current=$root/.hotggml/build/current-cpu.json
+lib_dir() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["lib_dir"])' "$current"; }
+ours=$(lib_dir)   # the main job ran in this checkout first: its build
 cd "$clone/repo"
-HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} HOTGGML_BUILD_ROOT=$root/.hotggml/build bash ci/main.sh
+export HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} HOTGGML_BUILD_ROOT=$root/.hotggml/build
+bash ci/main.sh --prepare
+if [ "$(lib_dir)" = "$ours" ]; then
+    echo "autocrlf: the clone's patches built this checkout's library ($ours): the main job's runs are its own"
+else
+    echo "autocrlf: the clone built another library ($(lib_dir)): its whole main job"
+    bash ci/main.sh
+fi
