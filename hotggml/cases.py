@@ -311,6 +311,12 @@ TYPES = [
     Case("kv-q8_0-near-constant-v", Nh=2, Nkv=1, D=32, S=33, Skv=47, v_offset=3.0, v_spread=1e-3, k_type="q8_0",
          v_type="q8_0", tags=("cancel",)),
     Case("kv-q8_0-f16-d128", Nh=8, Nkv=2, D=128, S=40, Skv=100, mask="causal", k_type="q8_0", v_type="f16"),
+    # many key tiles per block on every backend (CUDA: 32-64 keys a tile, two stages): stored-mask tiles that are
+    # mixed and, at the padded end, dead with NaN in their K/V, and a partial last tile; the chunk's head size
+    # with its implicit causal tail
+    Case("kv-q8_0-f16-long-padding", Nh=4, Nkv=2, D=64, S=96, Skv=700, mask="padding", pad_keys=150, garbage=True,
+         k_type="q8_0", v_type="f16", seed=5),
+    Case("kv-q8_0-d256-causal-tail", Nh=6, Nkv=1, D=256, S=64, Skv=600, causal=True, k_type="q8_0", v_type="q8_0"),
     # the field's tiny gradient: dO at 1e-4 of its usual size; dQ, LSE and D_i = dO . O each checked on its own
     Case("kv-q8_0-tiny-do", Nh=4, Nkv=2, D=64, S=29, Skv=77, mask="causal", do_scale=1e-4, k_type="q8_0",
          v_type="q8_0", tags=("d_i",)),
