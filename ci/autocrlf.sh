@@ -18,14 +18,14 @@ if grep -rlI $'\r' "$clone/repo/patches" "$clone/repo/ci" "$clone/repo/.ci" "$cl
 fi
 sdist=$(ls "$root"/.hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1 || true)
 current=$root/.hotggml/build/current-cpu.json
-lib_dir() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["lib_dir"])' "$current"; }
-ours=$(lib_dir)   # the main job ran in this checkout first: its build
+lib_dir() { [ -f "$current" ] && python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["lib_dir"])' "$current" || true; }
+ours=$(lib_dir)   # this checkout's build, where its main job ran first (none: the clone runs its whole job)
 cd "$clone/repo"
 export HOTGGML_GGML_SDIST=${sdist:-${HOTGGML_GGML_SDIST:-}} HOTGGML_BUILD_ROOT=$root/.hotggml/build
 bash ci/main.sh --prepare
-if [ "$(lib_dir)" = "$ours" ]; then
+if [ -n "$ours" ] && [ "$(lib_dir)" = "$ours" ]; then
     echo "autocrlf: the clone's patches built this checkout's library ($ours): the main job's runs are its own"
 else
-    echo "autocrlf: the clone built another library ($(lib_dir)): its whole main job"
+    echo "autocrlf: the clone's library ($(lib_dir)) is not one this checkout's main job ran: its whole main job"
     bash ci/main.sh
 fi
