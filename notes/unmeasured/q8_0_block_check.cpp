@@ -1,0 +1,59 @@
+// Checks fa_q8_0_block (patch flash-attn-train-cuda-kv-fast-q8_0) on the host, bitwise against the per-element
+// definition (the int8 times the f16 scale in f32, then fa_tf32_bits; X3: kept), over random rows and the special
+// scales (zeros, subnormals, Inf, NaN), with the device's canonical NaN (0x7FFFFFFF) for a NaN product, which the
+// TF32 carry would turn into -0. Run: bash notes/unmeasured/q8_0_block_check.sh [the patched ggml tree]
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cmath>
+#include <random>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+struct float4 { float x, y, z, w; };
+static float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+static uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) { // PTX prmt default mode
+    uint64_t x = ((uint64_t) b << 32) | a; uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) { int sel = (s >> (4*i)) & 7; r |= (uint32_t) ((x >> (8*sel)) & 0xFF) << (8*i); }
+    return r;
+}
+typedef uint16_t half_t;
+static half_t __ushort_as_half(uint16_t h) { return h; }
+static float __half2float(half_t h) { _Float16 f; memcpy(&f, &h, 2); return (float) f; }
+static float nv_mul(float a, float b) { float r = a*b; return std::isnan(r) ? __uint_as_float(0x7FFFFFFFu) : r; }
+#include "blk.inc"
+static float tf32_bits(float x) { uint32_t u = __float_as_uint(x); return (u & 0x7F800000u) == 0x7F800000u ? x : __uint_as_float((u + 0x1000u) & 0xFFFFE000u); }
+int main() {
+    std::mt19937 rng(1);
+    const int NB = 9; long checked = 0, bad = 0;
+    std::vector<uint16_t> specials = {0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE00, 0x3555, 0x1234};
+    for (int trial = 0; trial < 200000; ++trial) {
+        uint8_t row[34*NB + 16];
+        for (auto & c : row) c = rng();
+        for (int b = 0; b < NB; ++b) {
+            uint16_t d = trial % 3 == 0 ? specials[rng() % specials.size()] : (uint16_t) rng();
+            memcpy(row + 34*b, &d, 2);
+        }
+        for (int X3 = 0; X3 < 2; ++X3) for (int b = 0; b < NB; ++b) {
+            uint32_t w[9];
+            memcpy(w, row + (34*b & ~3), 36);
+            float4 x[8];
+            if (X3) fa_q8_0_block<true>(w, b & 1, x); else fa_q8_0_block<false>(w, b & 1, x);
+            uint16_t dh; memcpy(&dh, row + 34*b, 2);
+            const float d = __half2float(dh);
+            for (int e = 0; e < 32; ++e) {
+                const float ref0 = (float) (int8_t) row[34*b + 2 + e] * d;
+                const float ref = X3 ? ref0 : tf32_bits(ref0);
+                const float got = ((float *) x)[e];
+                ++checked;
+                if (__float_as_uint(ref) != __float_as_uint(got) && !(std::isnan(ref) && std::isnan(got))) {
+                    if (bad++ < 10) printf("MISMATCH X3=%d b=%d e=%d d=%04x q=%d ref=%08x got=%08x\n", X3, b, e, dh, (int) (int8_t) row[34*b+2+e], __float_as_uint(ref), __float_as_uint(got));
+                }
+            }
+        }
+    }
+    printf("checked %ld values, %ld mismatches\n", checked, bad);
+    return bad != 0;
+}
