@@ -91,6 +91,12 @@ def refusals(roots) -> list[str]:
         for (rule_op, j), what in NO_GRAD_SRC.items():
             if op == rule_op and j < len(src_needs) and src_needs[j]:
                 reasons.add(f"ggml's autodiff has no gradient for {what}, which here depends on a param()")
+        if op == "FLASH_ATTN_TRAIN":  # SPEC section 4: a K or V in a stored type is a frozen cache (ggml asserts)
+            for j, what in ((1, "k"), (2, "v")):
+                if src_needs[j] and int(ptr.src[j].type) != int(lib.GGML_TYPE_F32):
+                    type_name = ffi.string(lib.ggml_type_name(ptr.src[j].type)).decode()
+                    reasons.add(f"ggml's autodiff has no gradient for a {type_name} {what} of flash_attn_train (a "
+                                "stored K/V is a frozen cache), which here depends on a param()")
         if op == "MUL_MAT" and src_needs[0]:
             a, b = ptr.src[0], ptr.src[1]
             if (int(a.ne[2]), int(a.ne[3])) != (int(b.ne[2]), int(b.ne[3])) and int(b.ne[3]) != 1:

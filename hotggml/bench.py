@@ -169,7 +169,21 @@ def attention_flops(case: Case) -> tuple[int, int]:
     return fwd, fwd * 5 // 2
 
 
-def tf32_ceiling(device: str, n: int = 8192, runs: int = 5) -> float:
+CEILING_N = 8192  # the ceiling's mul_mat size on a GPU
+CEILING_N_CPU = 2048  # on the CPU: 8192^3 is 1.1 TFLOP a product, 6 products, minutes on a few cores (a 2-core
+                      # machine: 0.066 TFLOP/s, so about 17 s each); 2048^3 measured 1.7 s in all there (1024^3: 0.061)
+
+
+def ceiling_size(device: str) -> int:
+    """The n of tf32_ceiling's n^3 mul_mat on ``device``: CEILING_N_CPU on the CPU backend (CPU, or a meta device
+    of CPUs alone), CEILING_N on any other (a GPU's TF32 tensor cores need the large product to reach their peak)."""
+    from hotggml import meta
+
+    names = meta.parse_name(device) or (device,)
+    return CEILING_N_CPU if all(name.upper() == "CPU" for name in names) else CEILING_N
+
+
+def tf32_ceiling(device: str, n: int = CEILING_N, runs: int = 5) -> float:
     """TFLOP/s of ggml's own f32 mul_mat [n, n] x [n, n] on ``device`` (cuBLAS with TF32 tensor cores
     on CUDA): the ceiling the fused kernels are read against, measured in the same call. Median of runs."""
     rng = np.random.default_rng(7)
@@ -282,14 +296,16 @@ def default_arm_label(rows: list[FieldRow]) -> str:
     return "tf32" if tf32 == {True} else "f32" if tf32 == {False} else "default"
 
 
-def format_field(rows: list[FieldRow], ceiling: float, device: str) -> str:
+def format_field(rows: list[FieldRow], ceiling: float, device: str, ceiling_n: int = CEILING_N) -> str:
     caps = sorted({kib for r in rows for kib in r.capped})
     d = default_arm_label(rows)
     head = (f"{'case':<26} {f'{d} ms':>9} {'PREC_F32 ms':>11} {'chain ms':>9} {f'{d}/chain':>10} {'TFLOP/s':>8} "
             f"{'% ceil':>6} {'fused MiB':>9} {'chain MiB':>9} {'arena %':>7}  {f'{d} kernel':<22}"
             + "".join(f" {f'@{kib} ms':>9} {'x':>5}" for kib in caps))
-    lines = [f"fwd+bwd per attention site on {device}; ceiling (ggml's f32 mul_mat 8192^3: TF32 tensor cores on CUDA) "
-             f"{ceiling:.1f} TFLOP/s", head, "-" * len(head)]
+    what = ("TF32 tensor cores on CUDA" if ceiling_n == CEILING_N else
+            f"sized for the CPU, where {CEILING_N}^3 takes minutes")
+    lines = [f"fwd+bwd per attention site on {device}; ceiling (ggml's f32 mul_mat {ceiling_n}^3: {what}) "
+             f"{ceiling:.{1 if ceiling >= 1 else 3}f} TFLOP/s", head, "-" * len(head)]
     for r in rows:
         tflops = r.flops / r.fused_tf32 / 1e12
         def ms(x):

@@ -36,18 +36,68 @@ NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor", "pin"}
 
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away (| head)
 
 EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check, train-demo); 2 a usage or
-input error, or a step that could not run (the message says which); 130 interrupted (Ctrl-C)."""
+input error, or a step that could not run (the message says which); 130 interrupted (Ctrl-C); 141 stdout
+closed by its reader (| head), quietly."""
+
+_CHOSEN = "_hotggml_parser"  # namespace key: the parser of the subcommand argparse chose (_mark_parsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the exit code (EPILOG): errors are one line on stderr, never a traceback."""
+    """Run the CLI; return the exit code (EPILOG): errors are one line on stderr, never a traceback. A reader
+    that closes stdout early (``| head``) ends the command quietly, as Unix tools do: no message, exit 141."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not as a warning at exit
+        return code
+    except BrokenPipeError as exc:
+        if not _stdout_closed():  # another pipe than stdout (a child's): an error like any OSError
+            print(f"hotggml: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        _stdout_to_devnull()
+        return EXIT_STDOUT_CLOSED
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (POLLERR); True where poll cannot tell."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or a stdout without a file descriptor
+        return True
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at /dev/null, so the interpreter's own flush at exit has nowhere to fail
+    (Python's documentation, signal module: "Note on SIGPIPE")."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # a stdout with no descriptor (a test's capture): nothing to do
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     named = args_list[0] if args_list and args_list[0] in COMMANDS else None
     parser = build_parser(only=named)
     try:
-        args = parser.parse_args(args_list)
+        args, extra = parser.parse_known_args(args_list)
+        # the parser of the (sub)command chosen, innermost (patches check): its usage and prog for the error;
+        # options before the command name are the top-level parser's
+        chosen = vars(args).pop(_CHOSEN, None)
+        if extra:
+            if chosen is None or not args_list or args_list[0] != getattr(args, "command", None):
+                chosen = parser
+            chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2, its message printed)
         return int(exc.code or 0)
     if not hasattr(args, "func"):
@@ -77,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hotggml: error: `hotggml {args.command}` needs the Python module {name or '?'}, which is not "
                   f"installed: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        raise  # main's: stdout closed by its reader
     except OSError as exc:  # a file the command reads or writes (a --json path, a log): say which, no traceback
         print(f"hotggml: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -113,7 +165,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, target in COMMANDS.items():
         if only is None or name == only:
             _load(target)(subparsers)
+    _mark_parsers(parser)
     return parser
+
+
+def _mark_parsers(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's parser, nested ones too (patches check), itself as the default of _CHOSEN: after
+    parse_known_args the namespace names the innermost parser chosen, whose error() then reports an unknown
+    option with that command's usage and prog (argparse's parse_args reports it with the top level's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(**{_CHOSEN: sub})
+                _mark_parsers(sub)
 
 
 class _DefaultsShown(argparse.HelpFormatter):
@@ -291,7 +355,7 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `build --backend cpu|cuda|vulkan [--jobs N] [--cuda-arch A] [--tests] [-D KEY=VALUE]`."""
     parser = subparsers.add_parser("build", help="CMake build of the patched tree, keyed by pin + series")
     parser.add_argument("--backend", choices=("cpu", "cuda", "vulkan"), default="cpu")
-    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    parser.add_argument("--jobs", type=_int("jobs"), default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--cuda-arch", default=None,
                         help="CMAKE_CUDA_ARCHITECTURES (default: 90a where every GPU is compute capability 9.0, else native)")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="KEY=VALUE",
@@ -320,14 +384,60 @@ def _run_build(args: argparse.Namespace) -> int:
 
 # -- tools ------------------------------------------------------------------------------
 
-def _threads(text: str) -> list[int]:
+def _int_in(text: str, noun: str, low: int, high: int | None) -> int:
+    """text as an int in [low, high] (high None: no upper bound), else ArgumentTypeError naming ``noun``."""
     try:
-        values = [int(x) for x in text.split(",") if x]
+        value = int(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"threads must be a comma list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("threads must be >= 1")
-    return values
+        raise argparse.ArgumentTypeError(f"{noun} must be an integer, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{noun} must be >= {low}, got {value}" if high is None else
+                                         f"{noun} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _ints(noun: str, low: int = 1, high: Callable[[], int] | None = None) -> Callable[[str], list[int]]:
+    """An argparse type: a comma list of ints in [low, high()] (high a callable, so a bound from a module that
+    loads NumPy is read only when the option is given), the errors naming ``noun``."""
+    def parse(text: str) -> list[int]:
+        parts = [x for x in text.split(",") if x.strip()]
+        try:
+            values = [int(x) for x in parts]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"{noun} must be a comma list of integers, got {text!r}")
+        top = high() if high else None
+        return [_int_in(str(v), noun, low, top) for v in values]
+    parse.__name__ = noun  # argparse's "invalid <name> value" should it ever print one
+    return parse
+
+
+def _int(noun: str, low: int = 1, high: Callable[[], int] | None = None) -> Callable[[str], int]:
+    """An argparse type: one int in [low, high()], as _ints."""
+    def parse(text: str) -> int:
+        return _int_in(text, noun, low, high() if high else None)
+    parse.__name__ = noun
+    return parse
+
+
+def _max_threads() -> int:
+    from hotggml.graph import GGML_MAX_N_THREADS
+
+    return GGML_MAX_N_THREADS
+
+
+def _max_seq() -> int:
+    """The longest S any case can take: S f32 values alone are the binding's tensor limit (graph.MAX_TENSOR_BYTES,
+    2^48 bytes; a longer S is refused there anyway), far below where the inputs' NumPy shapes overflow (S near
+    2^63 / (B Nh D), a ValueError traceback from np.broadcast_to, not an error line)."""
+    from hotggml.graph import MAX_TENSOR_BYTES
+
+    return MAX_TENSOR_BYTES // 4
+
+
+_threads = _ints("threads", 1, _max_threads)
+_seq_lens = _ints("sequence lengths S", 1, _max_seq)
 
 
 def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -439,10 +549,16 @@ def _print_cases(selected: list) -> int:
 
 
 def _runs(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"runs must be an integer, got {text!r}") from None
     if value < 3:
         raise argparse.ArgumentTypeError("runs must be >= 3 (medians of fewer are not worth quoting)")
     return value
+
+
+MAX_SMEM_CAP_KIB = 1 << 20  # 1 GiB: no GPU's block has near that; the backend multiplies the KiB by 1024 in a long
 
 
 def _smem_caps(text: str) -> tuple[int, ...]:
@@ -450,8 +566,9 @@ def _smem_caps(text: str) -> tuple[int, ...]:
         caps = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected KiB values separated by commas (e.g. 99,163), got {text!r}")
-    if not caps or any(kib <= 0 for kib in caps):
-        raise argparse.ArgumentTypeError(f"shared-memory caps must be positive KiB values, got {text!r}")
+    if not caps or any(not 0 < kib <= MAX_SMEM_CAP_KIB for kib in caps):
+        raise argparse.ArgumentTypeError(f"shared-memory caps must be KiB values in [1, {MAX_SMEM_CAP_KIB}], "
+                                         f"got {text!r}")
     return caps
 
 
@@ -511,7 +628,7 @@ def add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
     parser.add_argument("--case", default=None, help="a geometry from the field set (default: DiT full attention); "
                                                      "S varies, Skv keeps the case's context Skv - S")
-    parser.add_argument("--seq", type=_threads, default=None, help="query lengths S")
+    parser.add_argument("--seq", type=_seq_lens, default=None, help="query lengths S, e.g. 625,1250,3000")
     parser.add_argument("--no-chain", action="store_true", help="fused arena only")
     parser.set_defaults(func=_run_memory)
 
@@ -548,7 +665,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", action="store_true", help="also time every node (per op, each arm)")
     parser.add_argument("--json", metavar="PATH", type=_json_path, help="also write the table's rows as JSON")
     parser.add_argument("-l", "--list", action="store_true", help="list the selected cases (with --set) and exit")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: ggml's own choice)")
+    parser.add_argument("--threads", type=_int("threads", 1, _max_threads), default=None,
+                        help="CPU threads (default: ggml's own choice)")
     parser.add_argument("--runs", type=_runs, default=5, help="runs per arm (>= 3)")
     parser.add_argument("--smem-caps", type=_smem_caps, default=(), metavar="KIB[,KIB]",
                         help="with --set on CUDA: also time the TF32 path with the shared-memory budget per block "
@@ -588,7 +706,11 @@ def _run_bench_table(args: argparse.Namespace) -> int:
         print(f"hotggml: error: --smem-caps caps the CUDA backend's shared memory; {device} has no such budget",
               file=sys.stderr)
         return 2
-    ceiling = bench.tf32_ceiling(device)
+    ceiling_n = bench.ceiling_size(device)
+    if ceiling_n != bench.CEILING_N:
+        print(f"hotggml: bench: the TFLOP/s ceiling is ggml's f32 mul_mat at {ceiling_n}^3 on {device} (seconds; "
+              f"{bench.CEILING_N}^3, the GPU's, takes minutes on a CPU)", file=sys.stderr, flush=True)
+    ceiling = bench.tf32_ceiling(device, n=ceiling_n)
     rows = []
     for i, case in enumerate(selected, start=1):
         rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain,
@@ -601,9 +723,10 @@ def _run_bench_table(args: argparse.Namespace) -> int:
                 ops = bench.profile_by_op(case, device, prec)
                 print(f"  profile {case.id} {arm}: " + ", ".join(f"{op} {s * 1e3:.2f} ms" for op, s in ops.items()
                                                                if s >= 0.01 * sum(ops.values())), flush=True)
-    print(bench.format_field(rows, ceiling, device))
+    print(bench.format_field(rows, ceiling, device, ceiling_n))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "tf32_ceiling_tflops": ceiling,
+                                               "tf32_ceiling_n": ceiling_n,
                                                "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
     return 0
 
@@ -660,7 +783,7 @@ def add_floor_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-stock", action="store_true",
                         help="patched tree only: every case run must pass (for our own ops on a device)")
     parser.add_argument("--no-ctest", action="store_true", help="skip ggml's ctest")
-    parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--jobs", type=_int("jobs"), default=None)
     parser.add_argument("--cuda-arch", default=None)
     parser.set_defaults(func=_run_floor)
 

@@ -8,6 +8,8 @@ allocator (gallocr) in one arena, whose size is the compute memory the graph nee
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 import weakref
@@ -408,6 +410,71 @@ def check_op_types(op: str, *tensors: "Tensor") -> None:
         raise InputTypeError(f"{op} takes operand types {takes}, got ({', '.join(got)})")
 
 
+@contextlib.contextmanager
+def interrupts_deferred():
+    """SIGINT held back while C code runs that calls into Python (the meta backend's split callback, the
+    scheduler's eval callback), and delivered when the block ends. A KeyboardInterrupt raised inside a cffi
+    callback never reaches the caller: the callback's fallback answer goes to ggml instead (a leaf's split
+    answered wrong, which ggml then aborts on; a profile stopped after two nodes and taken as computed). C code
+    does not look at signals anyway, so nothing is interrupted later than it would be. Outside the main
+    thread, where Python delivers no signals, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)  # the handler the caller had, as if the signal came now
+
+
+def _blocked(t: "Tensor") -> int:
+    """The block size of a quantized tensor's type (q8_0: 32), 0 for a type of single values."""
+    n = int(load().ggml_blck_size(t.ptr.type))
+    return n if n > 1 else 0
+
+
+def check_rows(op: str, name: str, t: "Tensor") -> None:
+    """Raise InputError unless t's rows are contiguous (nb[0] is its type's size), as ggml's CPU kernels of op
+    need for this operand (a transposed view there aborts, or, for sum, gives a wrong value)."""
+    if t.nb[0] != int(load().ggml_type_size(t.ptr.type)):
+        raise InputError(f"{op}: {name} (ne {t.ne}, nb {t.nb}) does not have contiguous rows (a transposed view): "
+                         "cont() it first")
+
+
+def check_scale(op: str, scale) -> float:
+    """scale as a float, or InputTypeError for a non-real, InputError for one that is not finite as the float32
+    ggml stores (1e39 is finite in Python and inf there)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise InputTypeError(f"{op}: scale must be a real number, got {type(scale).__name__}")
+    if not np.isfinite(scale) or abs(float(scale)) > float(np.finfo(np.float32).max):
+        raise InputError(f"{op}: scale must be finite as a float32, got {scale}")
+    return float(scale)
+
+
+def leaf_array(array: np.ndarray, dtype, what: str) -> np.ndarray:
+    """``array`` as a private C-contiguous copy in a leaf's dtype (float32, float16 or int32). Raises
+    InputTypeError for values of a kind the leaf cannot hold (floats for an int32 leaf), InputError for values
+    the conversion would change without a word: integers outside the int32 range, finite floats beyond the
+    float type's range (they would become inf)."""
+    dtype = np.dtype(dtype)
+    if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
+        raise InputTypeError(f"{what}: a {dtype} leaf cannot take {array.dtype} values")
+    if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
+        raise InputError(f"{what}: values out of the {dtype} range")
+    kind = array.dtype.kind
+    top = float(np.finfo(array.dtype).max if kind == "f" else np.iinfo(array.dtype).max if kind in "iu" else 1)
+    limit = float(np.finfo(dtype).max) if dtype.kind == "f" else np.inf
+    if array.size and top > limit:  # else no value can be out of range
+        finite = np.abs(array[np.isfinite(array)] if kind == "f" else array.astype(np.float64))
+        if finite.size and float(finite.max()) > limit:
+            raise InputError(f"{what}: finite values beyond {dtype}'s range ({limit:.6g}) would become inf")
+    return np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change
+
+
 def check_attention_mask_values(values: np.ndarray, what: str = "mask") -> None:
     """Raise InputError unless an additive attention mask holds finite values or -INF only (SPEC §4): +INF
     and NaN would turn rows, and every dK / dV, into NaN without an error."""
@@ -524,11 +591,12 @@ class Graph:
             raise UsageError(f"this Graph is trained by {self._owner}: its inputs were fixed when it took the Graph")
         if len(self._leaves) >= self.MAX_INPUTS:
             raise InputError(f"a Graph holds at most {self.MAX_INPUTS} inputs")
+        data = None if self.reserve_only else leaf_array(array, dtype, f"input {name or ''}")  # before C: refused, nothing made
         t = self.new_tensor(ggml_shape(array.shape), dtype, name, _ctx=self.ctx_in)
         self.lib.ggml_set_input(t.ptr)
         self._leaves.append(t)
         if not self.reserve_only:  # a reserve-only leaf keeps no data: its shape and dtype are all it takes
-            self._pending.append((t, np.ascontiguousarray(array, dtype=dtype)))
+            self._pending.append((t, data))
         return t
 
     def cache(self, array: np.ndarray, type_name: str, name: str | None = None) -> Tensor:
@@ -544,7 +612,11 @@ class Graph:
         kvcache.check_type(type_name)
         if array.dtype.kind not in "fiu" or not 1 <= array.ndim <= GGML_MAX_DIMS:
             raise InputTypeError(f"cache {name or ''}: a real array of 1 to 4 axes, got {array.dtype} {array.shape}")
+        if 0 in array.shape:  # as input(): ggml takes the product of the dims, and the ops divide by them
+            raise InputError(f"cache {name or ''}: every axis needs at least one element, got shape {array.shape}")
         kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
+        if type_name == "f16":  # ggml's converter makes inf of what float16 cannot hold, as input() refuses
+            leaf_array(array, np.float16, f"cache {name or ''}")
         if type_name == "f32":
             return self.input(array.astype(np.float32), name)
         if self.ctx is None:
@@ -613,6 +685,8 @@ class Graph:
             if t.ne[axis] % n_dev:
                 raise InputError(f"ne[{axis}] = {t.ne[axis]} of {t.ne} does not split into {n_dev} equal parts: pass parts")
             ne = meta.equal_parts(t.ne[axis], n_dev)
+        if not isinstance(ne, (list, tuple, np.ndarray)) or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in ne):
+            raise InputTypeError(f"parts must be ints (extents along axis {axis}), got {ne!r}")
         ne = [int(n) for n in ne]
         if len(ne) != n_dev * len(nr) or any(n < 0 for n in ne) or not 1 <= len(nr) <= meta.MAX_SEGMENTS:
             raise InputError(f"parts must give {n_dev} extents (one per device) per segment, got {ne!r}")
@@ -678,16 +752,10 @@ class Graph:
                 raise InputTypeError(f"set(): a {t.type_name} cache takes real values, got {array.dtype}")
             self._set_bytes(t, kvcache.encode(array, t.type_name).reshape(-1))
             return
-        dtype = np.dtype(t.dtype)
-        if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
-            raise InputTypeError(f"set(): a {dtype} leaf cannot take {array.dtype} values")
-        if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
-            raise InputError(f"set(): values out of the {dtype} range")
-        if dtype == np.float16 and array.dtype.kind == "f" and np.any(np.abs(array[np.isfinite(array)]) > np.finfo(np.float16).max):
-            raise InputError("set(): finite values beyond float16's range (65504) would become inf")
+        data = leaf_array(array, t.dtype, "set()")
         if t.ptr in self.attention_masks:
-            check_attention_mask_values(array, "set()")
-        self._set_bytes(t, np.array(array, dtype=dtype, order="C", copy=True))  # the caller's array may change
+            check_attention_mask_values(data, "set()")
+        self._set_bytes(t, data)
 
     def _set_bytes(self, t: Tensor, data: np.ndarray) -> None:
         """Leaf t's new contents (data: its bytes in t's type, a private copy): uploaded with the other inputs
@@ -744,6 +812,8 @@ class Graph:
         self.own(t)
         if sorted(axes) != [0, 1, 2, 3]:
             raise InputError(f"permute needs a permutation of 0..3, got {axes}")
+        if _blocked(t) and axes[0] != 0:
+            raise InputError(f"permute {axes}: a {t.type_name} tensor's rows are blocks of {_blocked(t)} values, so axis 0 stays")
         return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
 
     def reshape(self, t: Tensor, ne: tuple[int, int, int, int]) -> Tensor:
@@ -755,6 +825,8 @@ class Graph:
             raise InputError(f"reshape takes {GGML_MAX_DIMS} positive int dims in ggml order, got {ne!r}")
         if not t.is_contiguous():
             raise InputError("reshape needs a contiguous tensor: cont() it first")
+        if _blocked(t) and int(ne[0]) % _blocked(t):
+            raise InputError(f"reshape to {tuple(ne)}: a {t.type_name} row is whole blocks of {_blocked(t)} values")
         if int(np.prod([int(n) for n in ne], dtype=object)) != int(np.prod(t.ne, dtype=object)):
             raise InputError(f"reshape {t.ne} -> {tuple(ne)} changes the element count")
         return self._wrap(self.lib.ggml_reshape_4d(self.ctx, t.ptr, *(int(n) for n in ne)))
@@ -767,6 +839,9 @@ class Graph:
         self.own(t, like)
         if any(b % a for a, b in zip(t.ne, like.ne)):
             raise InputError(f"repeat {t.ne} -> {like.ne}: target dims must be multiples")
+        if _blocked(t):
+            raise InputTypeError(f"repeat copies whole values (f32, f16, bf16, i32), not {t.type_name} blocks")
+        check_rows("repeat", "t", t)
         return self._wrap(self.lib.ggml_repeat(self.ctx, t.ptr, like.ptr))
 
     def mul_mat(self, a: Tensor, b: Tensor) -> Tensor:
@@ -775,8 +850,8 @@ class Graph:
         check_op_types("mul_mat", a, b)
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise InputError(f"mul_mat shapes {a.ne} x {b.ne} do not fit")
-        if a.nb[0] > a.nb[1]:
-            raise InputError(f"mul_mat: a (nb {a.nb}) is transposed: cont() it first")
+        check_rows("mul_mat", "a", a)
+        check_rows("mul_mat", "b", b)
         return self._wrap(self.lib.ggml_mul_mat(self.ctx, a.ptr, b.ptr))
 
     def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float) -> Tensor:
@@ -786,8 +861,7 @@ class Graph:
         check_op_types("soft_max_ext", a)
         if not a.is_contiguous():
             raise InputError("soft_max_ext needs a contiguous a: cont() it first")
-        if not np.isfinite(scale):
-            raise InputError(f"soft_max_ext scale must be finite, got {scale}")
+        scale = check_scale("soft_max_ext", scale)
         if mask is not None:
             if mask.type_name not in ("f16", "f32"):
                 raise InputTypeError(f"soft_max_ext mask must be f16 or f32, got {mask.type_name}")
@@ -801,6 +875,7 @@ class Graph:
         """Elementwise a * b of one shape; operand types as OP_TYPES lists (the result has a's)."""
         self.own(a, b)
         check_op_types("mul", a, b)
+        check_rows("mul", "a", a)
         if a.ne != b.ne:
             raise InputError(f"mul shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_mul(self.ctx, a.ptr, b.ptr))
@@ -809,6 +884,7 @@ class Graph:
         """Elementwise a + b of one shape; operand types as OP_TYPES lists (the result has a's)."""
         self.own(a, b)
         check_op_types("add", a, b)
+        check_rows("add", "a", a)
         if a.ne != b.ne:
             raise InputError(f"add shapes differ: {a.ne} vs {b.ne}")
         return self._wrap(self.lib.ggml_add(self.ctx, a.ptr, b.ptr))
@@ -817,6 +893,7 @@ class Graph:
         """The sum of every element of a (f32 or f16) as a one-element tensor of a's type."""
         self.own(a)
         check_op_types("sum", a)
+        check_rows("sum", "a", a)
         return self._wrap(self.lib.ggml_sum(self.ctx, a.ptr))
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
@@ -837,6 +914,8 @@ class Graph:
             raise UsageError("build() was already called on this Graph")
         if self._owner is not None:
             raise UsageError(f"this Graph is trained by {self._owner}, which builds its graphs: use its methods")
+        if isinstance(outputs, Tensor) or not isinstance(outputs, (list, tuple)):
+            raise InputTypeError(f"build() takes a list of output tensors, got {type(outputs).__name__}")
         self.own(*outputs, *([loss] if loss is not None else []))
         if loss is not None:  # checked before anything is built: a refused build() leaves the Graph buildable
             if loss.ne != (1, 1, 1, 1) or loss.dtype != np.float32:
@@ -902,6 +981,10 @@ class Graph:
             raise UsageError(f"{what} on a reserve_only Graph: its leaves hold no data (it is for arena_bytes())")
 
     def _upload_leaves(self) -> None:
+        with interrupts_deferred():  # a meta device asks the split callback of every leaf it allocates
+            self._upload_leaves_now()
+
+    def _upload_leaves_now(self) -> None:
         # inputs get their own buffer now, so the arena measures the graph's compute memory only
         self.backend.need_open()
         if self.reserve_only:
@@ -979,7 +1062,8 @@ class Graph:
     def plan(self) -> None:
         """Place and split the built graph without allocating (placement() then answers): a probe."""
         self._need_graph()
-        self._need_sched().split(self.gf)
+        with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
+            self._need_sched().split(self.gf)
         self._placed = True
 
     def placement(self) -> list[tuple[Tensor, str]]:
@@ -1030,7 +1114,7 @@ class Graph:
         when the server did not compute the graph (killed, network lost: ggml-rpc reports it, patch
         rpc-lost-server). Returns the seconds the compute took.
         """
-        with self.backend.lock:  # one graph at a time on a backend (Backend's docstring)
+        with self.backend.lock, interrupts_deferred():  # one graph at a time on a backend (Backend's docstring)
             self._prepare_run(poison)
             t0 = time.perf_counter()
             status = self._run()
@@ -1052,7 +1136,7 @@ class Graph:
         includes); the values are the graph's real results. Raises RuntimeError unless scheduled=True.
         """
         sched = self._need_sched()
-        with self.backend.lock:
+        with self.backend.lock, interrupts_deferred():
             self._prepare_run(())
             try:
                 timed = sched.time_nodes(self.gf)
@@ -1062,7 +1146,8 @@ class Graph:
         return [(Tensor(self, ptr), secs) for ptr, secs in timed]
 
     def _prepare_run(self, poison) -> None:
-        """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors."""
+        """Allocate, upload the inputs, seed dL/dL = 1 and poison the given tensors. The computed values are
+        stale from here until a compute completes (a failed or interrupted one leaves them half-written)."""
         self._need_graph()
         self._need_data("compute()")
         self.backend.need_open()  # a closed Backend's C object is freed: computing on it would crash
@@ -1076,6 +1161,7 @@ class Graph:
                 raise InputTypeError("poison must be a list of this Graph's tensors"
                                      + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
         self._allocate()
+        self._computed = False
         for t in poison:
             if (t.ptr.view_src if t.ptr.view_src != ffi.NULL else t.ptr).buffer == ffi.NULL:
                 raise InputError(f"cannot poison {t.op_name} {t.ne}: it is not in the built graph (no memory)")

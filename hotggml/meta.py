@@ -77,6 +77,8 @@ def parse_name(name: str) -> tuple[str, ...] | None:
     is not of that form. Raises InputError for ``Meta(...)`` with an empty or nested device list."""
     m = re.fullmatch(r"\s*meta\s*\((.*)\)\s*", name, flags=re.IGNORECASE)
     if m is None:
+        if re.match(r"\s*meta\s*\(", name, flags=re.IGNORECASE):
+            raise InputError(f"a meta device name lists its devices in parentheses, e.g. Meta(CPU,CPU), got {name!r}")
         return None
     parts = tuple(p.strip() for p in m.group(1).split(","))
     if not m.group(1).strip() or any(not p or "(" in p or ")" in p for p in parts):

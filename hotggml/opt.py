@@ -41,7 +41,7 @@ import numpy as np
 from hotggml import autodiff
 from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.ffi import ffi, load
-from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, walk
+from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, interrupts_deferred, leaf_array, walk
 
 GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: the smallest static graphs ggml_opt_init is asked for (patch
                    # opt-graph-size: ggml_opt_params.graph_size; a larger model gets graphs of its own size)
@@ -298,8 +298,9 @@ class Optimizer:
             raise UsageError("the Optimizer's Graph was closed: its nodes are freed (close the Optimizer first)")
         self.graph.backend.need_open()
 
-    def _array_for(self, t: Tensor, array, what: str) -> np.ndarray:
-        """``array`` as the bytes of tensor t (contiguous, t's dtype), or InputError / InputTypeError."""
+    def _array_for(self, t: Tensor, array, what: str, neg_inf: bool = True) -> np.ndarray:
+        """``array`` as the bytes of tensor t (contiguous, t's dtype), or InputError / InputTypeError; NaN and +inf
+        refused, and -inf unless ``neg_inf`` (an additive mask's hidden entries)."""
         if isinstance(array, Tensor) or array is None:
             raise InputTypeError(f"{what} must be a NumPy array, got {type(array).__name__}")
         array = np.asarray(array)
@@ -307,14 +308,16 @@ class Optimizer:
             want = tuple(reversed([n for n in t.ne]))
             raise InputError(f"{what} has NumPy shape {array.shape}; the tensor is {t.ne} in ggml order, NumPy "
                              f"{want} (leading 1s may be dropped)")
-        if t.dtype == np.int32:
-            if array.dtype.kind not in "iu":
-                raise InputTypeError(f"{what} must hold integers for an int32 tensor, got {array.dtype}")
-            if array.size and (array.min() < -2**31 or array.max() >= 2**31):
-                raise InputError(f"{what} has values outside int32")
-        elif array.dtype.kind not in "fiu":
+        if t.dtype == np.int32 and array.dtype.kind not in "iu":
+            raise InputTypeError(f"{what} must hold integers for an int32 tensor, got {array.dtype}")
+        if array.dtype.kind not in "fiu":
             raise InputTypeError(f"{what} must be a real array for a {t.dtype} tensor, got {array.dtype}")
-        return np.ascontiguousarray(array, dtype=t.dtype)
+        data = leaf_array(array, t.dtype, what)
+        # one step on NaN or +inf makes every weight NaN, and no later step recovers: refused before it is taken
+        if data.dtype.kind == "f" and (np.isnan(data).any() or np.isposinf(data).any() or (not neg_inf and np.isneginf(data).any())):
+            raise InputError(f"{what} must be finite" if not neg_inf else
+                             f"{what} holds NaN or +inf: one optimizer step on it would make the weights NaN")
+        return data
 
     # -- training --------------------------------------------------------------------------------------
     @property
@@ -355,13 +358,11 @@ class Optimizer:
         if self.loss in LABELLED:
             if labels is None:
                 raise InputError(f"loss {self.loss!r} needs labels shaped like outputs {self.outputs.ne}")
-            y = self._array_for(self.outputs, labels, "labels")
-            if not np.isfinite(y).all():
-                raise InputError("labels must be finite")
+            y = self._array_for(self.outputs, labels, "labels", neg_inf=False)
         elif labels is not None:
             raise InputError(f"loss {self.loss!r} takes no labels")
         lib, opt = self.lib, self._native.opt
-        with self.graph.backend.lock:  # one graph at a time on a backend (hotggml.graph.Backend)
+        with self.graph.backend.lock, interrupts_deferred():  # one graph at a time on a backend (hotggml.graph.Backend)
             lib.ggml_opt_alloc(opt, True)
             lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
             if self.loss in LABELLED:

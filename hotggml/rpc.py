@@ -45,6 +45,9 @@ def _check_endpoint(endpoint: str) -> None:
         raise InputTypeError(f"endpoint must be a str 'host:port', got {type(endpoint).__name__}")
     if not _ENDPOINT.match(endpoint):
         raise InputError(f"endpoint must be 'host:port', got {endpoint!r}")
+    port = int(endpoint.rsplit(":", 1)[1])
+    if not 1 <= port <= 65535:
+        raise InputError(f"endpoint {endpoint!r}: a TCP port is in [1, 65535], got {port}")
 
 
 def _add(endpoint: str):

@@ -81,8 +81,13 @@ class Scheduler:
 
         lib, sched = self.lib, self._ptr
         stamps: list[tuple[object, float]] = []
+        failed: list[BaseException] = []
 
-        @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
+        def stop(exc_type, exc_value, tb):  # cffi swallows a callback's exception: keep it, stop the compute
+            failed.append(exc_value)
+            return False
+
+        @ffi.callback("bool(struct ggml_tensor *, bool, void *)", onerror=stop)
         def observe(t, ask, _user):
             if not ask:
                 lib.ggml_backend_sched_synchronize(sched)
@@ -95,6 +100,8 @@ class Scheduler:
             status = self.compute(gf)
         finally:
             lib.ggml_backend_sched_set_eval_callback(sched, ffi.NULL, ffi.NULL)
+        if failed:
+            raise failed[0]
         if status != 0:
             raise BackendError(f"graph compute failed (status {status})")
         out, prev = [], t0

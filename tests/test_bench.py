@@ -122,3 +122,30 @@ def test_the_field_table_names_the_default_arm_by_what_ran(kernels, label):
     head = table.splitlines()[1].split()
     assert f"{label}/chain" in head and f"{label} " in table.splitlines()[1]
     assert {"tf32", "f32", "default"} - {label} & {h.split("/")[0] for h in head if h.endswith("/chain")} == set()
+
+
+def test_profile_interrupted_raises_and_leaves_nothing_readable(cpu, monkeypatch):
+    """A KeyboardInterrupt inside the scheduler's eval callback (the profile's per-node clock) used to be swallowed
+    by cffi: profile() returned two nodes and read() gave the half-computed graph as results."""
+    import time
+
+    case = next(c for c in cases.SMOKE if c.id == "lse-loss")
+    with Graph(cpu, scheduled=True) as g:
+        h = build_fused(g, case, "f32")
+        g.compute()
+        calls, clock = [0], time.perf_counter
+
+        def interrupted_clock():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return clock()
+
+        monkeypatch.setattr(time, "perf_counter", interrupted_clock)
+        with pytest.raises(KeyboardInterrupt):
+            g.profile()
+        monkeypatch.setattr(time, "perf_counter", clock)
+        with pytest.raises(UsageError):
+            g.read(h.o)
+        g.compute()
+        assert g.read(h.o).any()

@@ -734,3 +734,21 @@ def test_a_second_builds_other_declarations_are_refused_by_name(lib, tmp_path):
     hffi._declare(same)
     assert hffi._declared == str(same / hffi.CDEF_FILE)
     hffi._declared = before
+
+
+def test_interrupts_deferred_delivers_sigint_when_the_block_ends():
+    """SIGINT while C code may call back into Python is held and raised at the block's end (a KeyboardInterrupt
+    inside a cffi callback would be swallowed, its fallback answer given to ggml)."""
+    import os
+    import signal
+
+    from hotggml.graph import interrupts_deferred
+
+    reached_end = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # bytecodes run here: an undeferred signal would raise inside the loop
+                pass
+            reached_end = True
+    assert reached_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler

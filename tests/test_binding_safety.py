@@ -98,10 +98,62 @@ CASES = {
         expect(TypeError, "device_name must be a str", lambda: Backend(0))
         expect(ValueError, "max_nodes must be an int in [16", lambda: Graph(be, max_nodes=1 << 40))
     """,
-    # ggml: GGML_ASSERT(!ggml_is_transposed(a)) in ggml_mul_mat
-    "mul_mat of a transposed operand": """
+    # ggml: GGML_ASSERT(!ggml_is_transposed(a)) in ggml_mul_mat; the CPU kernels' GGML_ASSERT(nb00 == type size)
+    # (ggml-cpu.c mul_mat, binary-ops.cpp, ops.cpp repeat); ggml_compute_forward_sum, which assumes it: 30 for 66
+    "operands whose rows are not contiguous": """
         g = Graph(be); a = g.input(np.ones((4, 4), np.float32)); b = g.input(np.ones((3, 4), np.float32))
-        expect(ValueError, "is transposed", lambda: g.mul_mat(g.permute(a, 1, 0, 2, 3), b))
+        x = g.input(np.arange(24, dtype=np.float32).reshape(2, 3, 4)); like = g.input(np.ones((2, 4, 6), np.float32))
+        expect(ValueError, "contiguous rows", lambda: g.mul_mat(g.permute(a, 1, 0, 2, 3), b))
+        expect(ValueError, "mul_mat: b", lambda: g.mul_mat(a, g.permute(a, 1, 0, 2, 3)))
+        expect(ValueError, "mul_mat: a", lambda: g.mul_mat(g.permute(x, 2, 0, 1, 3), g.input(np.ones((4, 5, 3), np.float32))))
+        expect(ValueError, "mul: a", lambda: g.mul(g.permute(a, 1, 0, 2, 3), a))
+        expect(ValueError, "add: a", lambda: g.add(g.permute(a, 1, 0, 2, 3), a))
+        expect(ValueError, "repeat: t", lambda: g.repeat(g.permute(x, 1, 0, 2, 3), like))
+        expect(ValueError, "sum: a", lambda: g.sum(g.permute(x, 1, 0, 2, 3)))
+        y = g.mul(a, g.permute(a, 1, 0, 2, 3)); s = g.sum(g.permute(x, 0, 2, 1, 3))  # what the kernels do take
+        g.build([y, s]); g.compute()
+        assert (g.read(y) == 1).all() and g.read(s).item() == 276.0
+    """,
+    # ggml-cpu ops.cpp: repeat has no q8_0 kernel (fatal error); a q8_0 row of a partial block: cont() SIGSEGV
+    "q8_0 tensors keep their blocks whole": """
+        g = Graph(be); c8 = g.cache(np.ones((2, 4, 64), np.float32), "q8_0"); like = g.input(np.ones((2, 8, 64), np.float32))
+        expect(TypeError, "not q8_0 blocks", lambda: g.repeat(c8, like))
+        expect(ValueError, "whole blocks of 32", lambda: g.reshape(c8, (16, 32, 1, 1)))
+        expect(ValueError, "axis 0 stays", lambda: g.permute(c8, 1, 0, 2, 3))
+        g.cont(g.reshape(c8, (128, 4, 1, 1)))  # whole blocks: taken
+    """,
+    # ggml.c: GGML_ASSERT in ggml_compute_backward, "no gradient for a K or V in a stored type"
+    "a stored K/V that depends on a param": """
+        g = Graph(be); q = g.param(np.ones((1, 4, 2, 32), np.float32)); w = g.param(np.ones((1, 2, 6, 32), np.float32))
+        k16 = g.add(g.cache(np.ones((1, 2, 6, 32), np.float32), "f16"), w)
+        fwd = ops.flash_attn_train(g, q, k16, k16, None, 0.25)
+        expect(ValueError, "f16 k of flash_attn_train", lambda: g.build([fwd], g.sum(fwd)))
+    """,
+    # values ggml would have taken as something else without a word
+    "values a conversion would change": """
+        g = Graph(be)
+        expect(ValueError, "beyond float16's range", lambda: g.input(np.array([1e6], np.float32), dtype=np.float16))
+        expect(ValueError, "beyond float32's range", lambda: g.input(np.array([1e39]), dtype=np.float32))
+        expect(TypeError, "cannot take float32", lambda: g.input(np.array([1.7], np.float32), dtype=np.int32))
+        expect(ValueError, "out of the int32 range", lambda: g.input(np.array([3e9], np.int64), dtype=np.int32))
+        expect(ValueError, "beyond float16's range", lambda: g.cache(np.full((2, 8), 1e6, np.float32), "f16"))
+        expect(ValueError, "at least one element", lambda: g.cache(np.ones((0, 2, 8), np.float32), "f16"))
+        q = g.input(np.ones((1, 4, 2, 32), np.float32)); k = g.input(np.ones((1, 2, 6, 32), np.float32))
+        expect(ValueError, "finite as a float32", lambda: ops.flash_attn_train(g, q, k, k, None, 1e39))
+        expect(ValueError, "finite as a float32", lambda: g.soft_max_ext(q, None, -1e39))
+        expect(TypeError, "scale must be a real number", lambda: g.soft_max_ext(q, None, "x"))
+        expect(TypeError, "a list of output tensors", lambda: g.build(q))
+    """,
+    # SPEC section 4: +INF or NaN in a mask makes every O, dQ of its rows NaN, with no error
+    "mask values checked through caches and views": """
+        g = Graph(be); q = g.input(np.ones((1, 4, 2, 32), np.float32)); k = g.input(np.ones((1, 2, 6, 32), np.float32))
+        bad = np.zeros((4, 6), np.float32); bad[1, 2] = np.inf
+        expect(ValueError, "finite values or -inf only", lambda: ops.flash_attn_train(g, q, k, k, g.cache(bad, "f16"), 0.25))
+        flat = g.input(bad.astype(np.float16).reshape(-1))
+        expect(ValueError, "finite values or -inf only", lambda: ops.flash_attn_train(g, q, k, k, g.reshape(flat, (6, 4, 1, 1)), 0.25))
+        flat = g.input(np.zeros(24, np.float16))
+        ops.flash_attn_train(g, q, k, k, g.reshape(flat, (6, 4, 1, 1)), 0.25)
+        expect(ValueError, "finite values or -inf only", lambda: g.set(flat, bad.astype(np.float16).reshape(-1)))
     """,
     # ggml: GGML_ASSERT(mask->ne[0] == a->ne[0]) and the other mask asserts in ggml_soft_max_impl
     "soft_max_ext with a mask that does not fit": """

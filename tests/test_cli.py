@@ -71,6 +71,102 @@ def test_usage_errors_exit_2_and_unknown_commands_too():
     assert cli.main(["parity", "--runs"]) == cli.EXIT_ERROR  # argparse's exit is turned into a return code
 
 
+@pytest.mark.parametrize("command, bad", [("parity", "--bogus"), ("memory", "--bogus"), ("probe", "-x"),
+                                          ("train-demo", "--stepz 3"), ("patches check", "--x"),
+                                          ("bench --set field", "--bogus")])
+def test_an_unknown_option_is_reported_with_the_commands_usage_and_prog(command, bad):
+    # parse_args on the top-level parser reported it as `usage: hotggml [-h] [--version] COMMAND ...` and
+    # `hotggml: error:`; the README says: the command's usage and `hotggml <command>: error: ...`
+    prog = "hotggml " + " ".join(w for w in command.split() if not w.startswith("-") and w != "field")
+    run = _hotggml(*command.split(), *bad.split())
+    assert run.returncode == cli.EXIT_ERROR, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[0].startswith(f"usage: {prog} ") and "COMMAND ..." not in run.stderr, run.stderr
+    assert lines[-1] == f"{prog}: error: unrecognized arguments: {bad}"
+    assert "Traceback" not in run.stderr
+    # an unknown option before the command is the top level's
+    run = _hotggml("--bogus", *command.split())
+    assert run.returncode == cli.EXIT_ERROR
+    assert run.stderr.strip().splitlines()[-1] == "hotggml: error: unrecognized arguments: --bogus"
+
+
+@pytest.mark.parametrize("seq", ["4611686018427387904", str(2**46 + 1), "0", "-3", "625,0", "1,x", ","])
+def test_memory_refuses_a_sequence_length_out_of_range_as_a_usage_error(seq):
+    # S = 2^62 was a NumPy traceback ("iterator is too large", exit 1); 0 was "threads must be >= 1"
+    run = _hotggml("memory", "--seq", seq, "--no-chain")
+    assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("hotggml memory: error: argument --seq: sequence lengths S must be "), last
+    assert "threads" not in run.stderr
+    if seq not in ("1,x", ","):
+        assert f"in [1, {2**46}]" in last
+
+
+def test_the_longest_sequence_length_accepted_is_refused_by_the_binding_in_one_line():
+    # the parser's bound, 2^46 (2^48 bytes of f32: graph.MAX_TENSOR_BYTES), meets the binding's own refusal
+    from hotggml import graph
+
+    run = _hotggml("memory", "--seq", str(2**46), "--no-chain")
+    assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hotggml: error: shape ") and "is over" in lines[0], run.stderr
+    assert cli._max_seq() == 2**46 == graph.MAX_TENSOR_BYTES // 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["parity", "--threads", "1,513"], "argument --threads: threads must be in [1, 512], got 513"),
+    (["parity", "--threads", "0"], "argument --threads: threads must be in [1, 512], got 0"),
+    (["bench", "--threads", "-1"], "argument --threads: threads must be in [1, 512], got -1"),
+    (["bench", "--threads", str(2**70)], f"argument --threads: threads must be in [1, 512], got {2**70}"),
+    (["bench", "--runs", "x"], "argument --runs: runs must be an integer, got 'x'"),
+    (["bench", "--smem-caps", str(2**63)], "argument --smem-caps: shared-memory caps must be KiB values in [1, "),
+    (["build", "--jobs", "0"], "argument --jobs: jobs must be >= 1, got 0"),
+    (["floor", "--jobs", "-2"], "argument --jobs: jobs must be >= 1, got -2"),
+])
+def test_absurd_numbers_are_usage_errors_naming_the_option(args, message, capsys):
+    # the parser alone: where it accepted them, they reached a build, a timing run or the C side
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser(only=args[0]).parse_args(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == cli.EXIT_ERROR and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"hotggml {args[0]}: error: {message}"), err
+
+
+def test_a_closed_stdout_ends_the_command_quietly():
+    # `hotggml parity -l | head -1` ended with `hotggml: error: [Errno 32] Broken pipe`; Unix tools end quietly
+    proc = subprocess.Popen([sys.executable, "-m", "hotggml", "probe", "-l", "--set", "field", "--set", "real"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    proc.stdout.close()  # the reader goes away before the first line
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=600), err) == (141, "")
+    assert cli.EXIT_STDOUT_CLOSED == 141  # 128 + SIGPIPE, what a shell shows for a tool ended by the pipe
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error_line():
+    code = ("import sys\nfrom hotggml import cli\n"
+            "def step(args):\n"
+            "    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "parser = cli.build_parser()\n"
+            "cli.build_parser = lambda only=None: parser\n"
+            "parser._subparsers._group_actions[0].choices['probe'].set_defaults(func=step)\n"
+            "sys.exit(cli.main(['probe']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == cli.EXIT_ERROR and run.stderr == "hotggml: error: [Errno 32] Broken pipe\n", run.stderr
+
+
+def test_the_bench_ceiling_is_sized_for_the_cpu_and_says_so():
+    # 8192^3 f32 on a CPU took minutes before the table's first case; the GPU's ceiling is unchanged
+    from hotggml import bench
+
+    assert bench.ceiling_size("CPU") == bench.ceiling_size("Meta(CPU,CPU)") == bench.CEILING_N_CPU < 8192
+    assert bench.ceiling_size("CUDA0") == bench.ceiling_size("Meta(CUDA0,CUDA1)") == bench.CEILING_N == 8192
+    row = bench.FieldRow("c", "s", 1e-3, None, 2e-3, 1 << 20, 2 << 20, 10**9, {"fused_tf32": "f32-cpu"})
+    assert f"mul_mat {bench.CEILING_N_CPU}^3: sized for the CPU" in bench.format_field([row], 0.06, "CPU", 2048)
+    assert "mul_mat 8192^3: TF32 tensor cores on CUDA) 400.0 TFLOP/s" in bench.format_field([row], 400.0, "CUDA0")
+
+
 def test_a_missing_tool_is_a_build_error_not_a_traceback(tmp_path):
     from hotggml import build
 

@@ -39,6 +39,7 @@ def test_meta_device_names_its_devices(lib):
     (lambda: Backend("Meta(CPU,NOPE)"), BackendError, "'NOPE' is not in this build's registry"),
     (lambda: Backend("Meta()"), InputError, "lists its devices"),
     (lambda: Backend("Meta(CPU,(CPU))"), InputError, "lists its devices"),
+    (lambda: Backend("Meta(CPU,"), InputError, "lists its devices in parentheses"),
     (lambda: Backend.meta("CPU"), InputTypeError, "a list of registry device names"),
     (lambda: Backend.meta([]), InputError, "must list registry device names"),
     (lambda: Backend.meta(["CPU", "CPU,CPU"]), InputError, "must list registry device names"),
@@ -114,6 +115,9 @@ def test_meta_refusals_keep_the_interpreter(lib):
                 ops.flash_attn_train(g, q, k, v, None, 0.25)
             with pytest.raises(InputError, match="do not add up"):
                 g.split(k, 2, [1, 2])
+            for parts in ([1.5, 1.5], ["1", "2"], 3):  # 1.5 was taken as 1
+                with pytest.raises(InputTypeError, match="parts must be ints"):
+                    g.split(k, 2, parts)
             with pytest.raises(InputError, match="does not split into 2 equal parts"):
                 g.split(g.input(np.zeros((1, 3, 8, 16), np.float32)), 2)
             g.split(k, 2, [2, 0])  # whole groups? q has 2 heads per device, k 2 and 0: not G = 2 per kv head

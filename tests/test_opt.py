@@ -311,7 +311,7 @@ def test_bad_arguments_raise_instead_of_aborting(lib):
         expect(InputError, "[0, 10)", lambda: opt.step(np.array([0, 1, 10, 2, 3]), T))
         expect(InputError, "[0, 10)", lambda: opt.step(np.array([0, -1, 1, 2, 3]), T))
         expect(InputTypeError, "integers", lambda: opt.step(np.zeros(5, np.float32), T))
-        expect(InputError, "outside int32", lambda: opt.step(np.array([0, 1, 2, 3, 2**40]), T))
+        expect(InputError, "out of the int32 range", lambda: opt.step(np.array([0, 1, 2, 3, 2**40]), T))
         opt.step(np.array([0, 1, 9, 2, 3]), T)
         # ... followed back through permute + cont, and ids held in a constant input(): checked too
         g = Graph(be)
@@ -338,3 +338,25 @@ def test_bad_arguments_raise_instead_of_aborting(lib):
     assert "alive" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.returncode == 0, run.stderr[-3000:]  # the Optimizers left open are freed at exit, cleanly
     print(run.stdout)
+
+
+def test_nan_or_posinf_data_is_refused_before_a_step_and_the_weights_survive(lib):
+    """One step on NaN or +inf (or on finite values beyond float32, which become inf) makes every weight NaN and
+    no later step recovers: step() and write() refuse them first, and the next good step trains as before."""
+    w0, b0 = _init()
+    xb, yb = _data(8)
+    with Backend("CPU", n_threads=2) as be, Graph(be) as g:
+        x, w, b, y = _linear(g, 8, w0, b0)
+        with Optimizer(g, x, y, adamw=HP) as opt:
+            opt.step(xb, yb)
+            before = opt.read(w)
+            for bad in (np.where(np.arange(xb.size).reshape(xb.shape) == 5, np.nan, xb),
+                        np.where(np.arange(xb.size).reshape(xb.shape) == 5, np.inf, xb), xb.astype(np.float64) * 1e39):
+                with pytest.raises(InputError, match=r"NaN or \+inf|beyond float32"):
+                    opt.step(bad, yb)
+            for bad in (np.full((Dout, Din), np.nan, np.float32), np.full((Dout, Din), np.inf, np.float32)):
+                with pytest.raises(InputError, match=r"NaN or \+inf"):
+                    opt.write(w, bad)
+            assert np.array_equal(opt.read(w), before) and opt.steps == 1
+            opt.step(xb, yb)
+            assert np.isfinite(opt.read(w)).all() and not np.array_equal(opt.read(w), before)

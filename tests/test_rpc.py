@@ -237,7 +237,7 @@ def test_backend_names_an_rpc_server_by_endpoint(fork_lib):
     run = subprocess.run([sys.executable, "-c", (
         "from hotggml import rpc\nfrom hotggml.graph import Backend\n"
         "from hotggml.errors import BackendError, InputError\n"
-        "for name in ('RPC[127.0.0.1:1]', 'RPC[nothing]', 'RPC[127.0.0.1:1'):\n"
+        "for name in ('RPC[127.0.0.1:1]', 'RPC[nothing]', 'RPC[127.0.0.1:1', 'RPC[127.0.0.1:99999]'):\n"
         "    try:\n        Backend(name)\n    except (BackendError, InputError) as e:\n"
         "        print(type(e).__name__, e)\n"
         "with rpc.Server('CPU', n_threads=1) as s, Backend(s.device_name) as be:\n"
@@ -248,4 +248,5 @@ def test_backend_names_an_rpc_server_by_endpoint(fork_lib):
     assert lines[0].startswith("BackendError RPC server 127.0.0.1:1 refused: no RPC server answered"), lines
     assert lines[1].startswith("InputError endpoint must be 'host:port'"), lines
     assert lines[2].startswith("InputError an RPC device is named 'RPC[host:port]'"), lines
-    assert lines[3] == "opened RPC0 True CPU", lines
+    assert lines[3].startswith("InputError endpoint '127.0.0.1:99999': a TCP port is in [1, 65535]"), lines
+    assert lines[4] == "opened RPC0 True CPU", lines
