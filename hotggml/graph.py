@@ -450,9 +450,15 @@ def check_scale(op: str, scale) -> float:
     ggml stores (1e39 is finite in Python and inf there)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise InputTypeError(f"{op}: scale must be a real number, got {type(scale).__name__}")
-    if not np.isfinite(scale) or abs(float(scale)) > float(np.finfo(np.float32).max):
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = np.inf
+    if not np.isfinite(value) or abs(value) > float(np.finfo(np.float32).max):
         raise InputError(f"{op}: scale must be finite as a float32, got {scale}")
-    return float(scale)
+    if value != 0 and np.float32(value) == 0:
+        raise InputError(f"{op}: scale {scale} is 0 as a float32")
+    return value
 
 
 def leaf_array(array: np.ndarray, dtype, what: str) -> np.ndarray:
@@ -465,14 +471,14 @@ def leaf_array(array: np.ndarray, dtype, what: str) -> np.ndarray:
         raise InputTypeError(f"{what}: a {dtype} leaf cannot take {array.dtype} values")
     if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
         raise InputError(f"{what}: values out of the {dtype} range")
-    kind = array.dtype.kind
-    top = float(np.finfo(array.dtype).max if kind == "f" else np.iinfo(array.dtype).max if kind in "iu" else 1)
-    limit = float(np.finfo(dtype).max) if dtype.kind == "f" else np.inf
-    if array.size and top > limit:  # else no value can be out of range
-        finite = np.abs(array[np.isfinite(array)] if kind == "f" else array.astype(np.float64))
-        if finite.size and float(finite.max()) > limit:
-            raise InputError(f"{what}: finite values beyond {dtype}'s range ({limit:.6g}) would become inf")
-    return np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change
+    with np.errstate(over="ignore"):  # an overflow is what the test below finds
+        data = np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change
+    if dtype.kind == "f" and array.dtype.kind in "fiu" and array.size:
+        lost = ~np.isfinite(data) & (np.isfinite(array) if array.dtype.kind == "f" else True)
+        if lost.any():
+            raise InputError(f"{what}: finite values beyond {dtype}'s range ({float(np.finfo(dtype).max):.6g}) "
+                             "would become inf")
+    return data
 
 
 def check_attention_mask_values(values: np.ndarray, what: str = "mask") -> None:
@@ -551,7 +557,7 @@ class Graph:
         self.gf = None
         self._leaves: list[Tensor] = []  # inputs and params, in order
         self._pending: list[tuple[Tensor, np.ndarray]] = []  # their data until build() uploads it
-        self.attention_masks: set = set()  # leaves used as a flash_attn_train mask: set() checks their values
+        self.attention_masks: set = set()  # leaves an additive mask is made of (mark_mask): set() checks their values
         self._loss: Tensor | None = None
         self._computed = False
         self._placed = False
@@ -615,8 +621,6 @@ class Graph:
         if 0 in array.shape:  # as input(): ggml takes the product of the dims, and the ops divide by them
             raise InputError(f"cache {name or ''}: every axis needs at least one element, got shape {array.shape}")
         kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
-        if type_name == "f16":  # ggml's converter makes inf of what float16 cannot hold, as input() refuses
-            leaf_array(array, np.float16, f"cache {name or ''}")
         if type_name == "f32":
             return self.input(array.astype(np.float32), name)
         if self.ctx is None:
@@ -630,6 +634,8 @@ class Graph:
         ne = ggml_shape(array.shape)
         ggml_type = getattr(self.lib, f"GGML_TYPE_{type_name.upper()}")
         raw = None if self.reserve_only else kvcache.encode(array, type_name)
+        if raw is not None:  # ggml's converters make inf or NaN of what the type cannot hold: refused, as input() does
+            kvcache.check_held(array, raw, type_name, f"cache {name or ''}")
         rows = int(np.prod(ne[1:], dtype=object))
         nbytes = raw.nbytes if raw is not None else int(self.lib.ggml_row_size(ggml_type, ne[0])) * rows
         if nbytes > MAX_TENSOR_BYTES:
@@ -685,7 +691,7 @@ class Graph:
             if t.ne[axis] % n_dev:
                 raise InputError(f"ne[{axis}] = {t.ne[axis]} of {t.ne} does not split into {n_dev} equal parts: pass parts")
             ne = meta.equal_parts(t.ne[axis], n_dev)
-        if not isinstance(ne, (list, tuple, np.ndarray)) or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in ne):
+        if not isinstance(ne, (list, tuple, np.ndarray)) or np.ndim(ne) != 1 or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in ne):
             raise InputTypeError(f"parts must be ints (extents along axis {axis}), got {ne!r}")
         ne = [int(n) for n in ne]
         if len(ne) != n_dev * len(nr) or any(n < 0 for n in ne) or not 1 <= len(nr) <= meta.MAX_SEGMENTS:
@@ -716,6 +722,24 @@ class Graph:
             return int(ffi.cast("int32_t *", t.ptr.op_params)[axis]), ne, nr
         raise InputError(f"{t.op_name} {t.ne} is computed from a split leaf: the binding knows the split of split "
                          "leaves and of permuted views of them only")
+
+    def mark_mask(self, mask: Tensor, what: str) -> None:
+        """Record that ``mask`` is an additive attention mask (of op ``what``) and check the values it is made of
+        now: it is a leaf, or a view or cont() of one, whose values must be finite or -INF (SPEC section 4: +INF
+        or NaN turn the rows, and every gradient of K and V, into NaN without an error); set() and the
+        Optimizer's write() check the leaf's later values. Raises InputError naming the first bad entry."""
+        leaf = mask.ptr
+        while True:  # down the views (view_src) and the copies (CONT, DUP, CPY: src[0]) to what holds the values
+            if leaf.view_src != ffi.NULL:
+                leaf = leaf.view_src
+            elif int(leaf.op) in (self.lib.GGML_OP_CONT, self.lib.GGML_OP_DUP, self.lib.GGML_OP_CPY):
+                leaf = leaf.src[0]
+            else:
+                break
+        for t, values in self._pending:
+            if t.ptr == leaf:  # a cache("f16") leaf keeps its bytes
+                check_attention_mask_values(values.view(np.float16) if values.dtype == np.uint8 else values, what)
+        self.attention_masks.add(leaf)
 
     def set(self, t: Tensor, array: np.ndarray) -> None:
         """New data for an input or param leaf ``t`` of this Graph, before or after build(): the next compute()
@@ -750,7 +774,9 @@ class Graph:
 
             if array.dtype.kind not in "fiu":
                 raise InputTypeError(f"set(): a {t.type_name} cache takes real values, got {array.dtype}")
-            self._set_bytes(t, kvcache.encode(array, t.type_name).reshape(-1))
+            raw = kvcache.encode(array, t.type_name)
+            kvcache.check_held(array, raw, t.type_name, "set()")
+            self._set_bytes(t, raw.reshape(-1))
             return
         data = leaf_array(array, t.dtype, "set()")
         if t.ptr in self.attention_masks:
@@ -764,7 +790,8 @@ class Graph:
             self._pending = [(leaf, data if leaf.ptr == t.ptr else arr) for leaf, arr in self._pending]
         else:
             self.backend.need_open()
-            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, data.nbytes)
+            with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
+                self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, data.nbytes)
         self._computed = False
 
     # -- generic ops used by the exact chain and losses -----------------------------------
@@ -869,6 +896,7 @@ class Graph:
                 raise InputError("soft_max_ext mask must be contiguous")
             if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
                 raise InputError(f"soft_max_ext mask {mask.ne} does not fit a {a.ne}")
+            self.mark_mask(mask, "soft_max_ext mask")
         return self._wrap(self.lib.ggml_soft_max_ext(self.ctx, a.ptr, mask.ptr if mask else ffi.NULL, float(scale), 0.0))
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
@@ -893,7 +921,8 @@ class Graph:
         """The sum of every element of a (f32 or f16) as a one-element tensor of a's type."""
         self.own(a)
         check_op_types("sum", a)
-        check_rows("sum", "a", a)
+        if a.ne[0] > 1:  # a column's sum reads no second element along a row
+            check_rows("sum", "a", a)
         return self._wrap(self.lib.ggml_sum(self.ctx, a.ptr))
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
@@ -1119,6 +1148,7 @@ class Graph:
             t0 = time.perf_counter()
             status = self._run()
             seconds = time.perf_counter() - t0
+            self._computed = status == 0  # before a deferred interrupt is raised: the compute did complete
         if status != 0 and self.backend.endpoint is not None:
             raise ConnectionLostError(
                 f"graph compute failed on {self.backend.device_name}: the RPC server at {self.backend.endpoint} did not "
@@ -1126,7 +1156,6 @@ class Graph:
                 "on it are lost: close this Graph and its Backend, and open new ones once a server listens there")
         if status != 0:
             raise BackendError(f"graph compute failed on {self.backend.device_name} (status {status})")
-        self._computed = True
         return seconds
 
     def profile(self) -> list[tuple[Tensor, float]]:
@@ -1142,7 +1171,7 @@ class Graph:
                 timed = sched.time_nodes(self.gf)
             except BackendError as exc:
                 raise BackendError(f"{exc} on {self.backend.device_name}") from None
-        self._computed = True
+            self._computed = True
         return [(Tensor(self, ptr), secs) for ptr, secs in timed]
 
     def _prepare_run(self, poison) -> None:

@@ -93,3 +93,17 @@ def stored(x: np.ndarray, type_name: str) -> np.ndarray:
     """The float32 values a cache of x in type_name holds: decode(encode(x))."""
     x = np.asarray(x)
     return decode(encode(x, type_name), type_name, x.shape[-1])
+
+
+def check_held(x: np.ndarray, raw: np.ndarray, type_name: str, what: str) -> None:
+    """Raise InputError where ``raw`` (x encoded in type_name) holds inf or NaN for a finite value of x: a value
+    beyond the type's range (f16 65504, bf16 about 3.39e38), or, in q8_0, a block whose scale (its largest
+    magnitude / 127, stored as f16) overflows or that holds a non-finite value, which makes all 32 of its values
+    NaN or inf."""
+    x = np.asarray(x, dtype=np.float32)
+    lost = np.isfinite(x) & ~np.isfinite(decode(raw, type_name, x.shape[-1]))
+    if lost.any():
+        where = tuple(int(i) for i in np.argwhere(lost)[0])
+        raise InputError(f"{what}: {type_name} cannot hold the finite value {x[where]!r} at {where} (NumPy index): it "
+                         f"would read as inf or NaN" + (" (a q8_0 block holds magnitudes below 65520 x 127, all finite)"
+                                                        if type_name == "q8_0" else ""))

@@ -14,7 +14,7 @@ import numpy as np
 
 from hotggml import kvcache
 from hotggml.ffi import ffi
-from hotggml.graph import FLAG_PARAM, Graph, Tensor, check_attention_mask_values, check_scale
+from hotggml.graph import FLAG_PARAM, Graph, Tensor, check_scale
 from hotggml.errors import InputError, InputTypeError
 
 PREC = {"default": 0, "f32": 10}  # enum ggml_prec: GGML_PREC_DEFAULT (TF32 on CUDA sm_80+), GGML_PREC_F32
@@ -116,13 +116,7 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     check_attention_inputs(q, k, v, mask)
     scale = check_scale("flash_attn_train", scale)
     if mask is not None:  # a leaf's values are at hand before compute: +INF and NaN refused by name
-        leaf = mask.ptr
-        while leaf.view_src != ffi.NULL:  # a reshape or permute of a leaf holds the leaf's values
-            leaf = leaf.view_src
-        for t, values in g._pending:
-            if t.ptr == leaf:  # a cache("f16") leaf keeps its bytes
-                check_attention_mask_values(values.view(np.float16) if values.dtype == np.uint8 else values)
-        g.attention_masks.add(leaf)
+        g.mark_mask(mask, "mask")
     if not isinstance(causal, (bool, np.bool_)):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window is not None:

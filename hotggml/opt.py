@@ -41,7 +41,8 @@ import numpy as np
 from hotggml import autodiff
 from hotggml.errors import InputError, InputTypeError, UsageError
 from hotggml.ffi import ffi, load
-from hotggml.graph import BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, ggml_shape, interrupts_deferred, leaf_array, walk
+from hotggml.graph import (BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, check_attention_mask_values, ggml_shape,
+                           interrupts_deferred, leaf_array, walk)
 
 GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: the smallest static graphs ggml_opt_init is asked for (patch
                    # opt-graph-size: ggml_opt_params.graph_size; a larger model gets graphs of its own size)
@@ -298,9 +299,10 @@ class Optimizer:
             raise UsageError("the Optimizer's Graph was closed: its nodes are freed (close the Optimizer first)")
         self.graph.backend.need_open()
 
-    def _array_for(self, t: Tensor, array, what: str, neg_inf: bool = True) -> np.ndarray:
-        """``array`` as the bytes of tensor t (contiguous, t's dtype), or InputError / InputTypeError; NaN and +inf
-        refused, and -inf unless ``neg_inf`` (an additive mask's hidden entries)."""
+    def _array_for(self, t: Tensor, array, what: str) -> np.ndarray:
+        """``array`` as the bytes of tensor t (contiguous, t's dtype), or InputError / InputTypeError: values
+        that are not finite refused (one step on them makes every weight NaN, and no later step recovers), but
+        -INF in a leaf an attention mask is made of (Graph.mark_mask), which hides entries."""
         if isinstance(array, Tensor) or array is None:
             raise InputTypeError(f"{what} must be a NumPy array, got {type(array).__name__}")
         array = np.asarray(array)
@@ -313,10 +315,11 @@ class Optimizer:
         if array.dtype.kind not in "fiu":
             raise InputTypeError(f"{what} must be a real array for a {t.dtype} tensor, got {array.dtype}")
         data = leaf_array(array, t.dtype, what)
-        # one step on NaN or +inf makes every weight NaN, and no later step recovers: refused before it is taken
-        if data.dtype.kind == "f" and (np.isnan(data).any() or np.isposinf(data).any() or (not neg_inf and np.isneginf(data).any())):
-            raise InputError(f"{what} must be finite" if not neg_inf else
-                             f"{what} holds NaN or +inf: one optimizer step on it would make the weights NaN")
+        if data.dtype.kind == "f":
+            if t.ptr in self.graph.attention_masks:
+                check_attention_mask_values(data, what)
+            elif not np.isfinite(data).all():
+                raise InputError(f"{what} must be finite: one optimizer step on NaN or inf makes the weights NaN")
         return data
 
     # -- training --------------------------------------------------------------------------------------
@@ -358,7 +361,7 @@ class Optimizer:
         if self.loss in LABELLED:
             if labels is None:
                 raise InputError(f"loss {self.loss!r} needs labels shaped like outputs {self.outputs.ne}")
-            y = self._array_for(self.outputs, labels, "labels", neg_inf=False)
+            y = self._array_for(self.outputs, labels, "labels")
         elif labels is not None:
             raise InputError(f"loss {self.loss!r} takes no labels")
         lib, opt = self.lib, self._native.opt
@@ -368,7 +371,7 @@ class Optimizer:
             if self.loss in LABELLED:
                 lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
             lib.ggml_opt_eval(opt, ffi.NULL)
-        self.n_micro += 1
+            self.n_micro += 1  # before a deferred interrupt is raised: the step was taken
         out = ffi.new("float[1]")
         lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
         loss = float(out[0])
@@ -397,7 +400,8 @@ class Optimizer:
             raise InputError("only param() and input() leaves can be written")
         a = self._array_for(t, array, "array")
         self._check_ids(t.ptr, a)
-        self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(a), 0, a.nbytes)
+        with interrupts_deferred():  # a meta device asks the split callback (hotggml.graph.interrupts_deferred)
+            self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(a), 0, a.nbytes)
 
     def compute_bytes(self) -> int:
         """Bytes of the scheduler's compute buffer on the Graph's backend: the arena of the largest graph

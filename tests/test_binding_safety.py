@@ -136,12 +136,22 @@ CASES = {
         expect(ValueError, "beyond float32's range", lambda: g.input(np.array([1e39]), dtype=np.float32))
         expect(TypeError, "cannot take float32", lambda: g.input(np.array([1.7], np.float32), dtype=np.int32))
         expect(ValueError, "out of the int32 range", lambda: g.input(np.array([3e9], np.int64), dtype=np.int32))
-        expect(ValueError, "beyond float16's range", lambda: g.cache(np.full((2, 8), 1e6, np.float32), "f16"))
+        expect(ValueError, "f16 cannot hold the finite value", lambda: g.cache(np.full((2, 8), 1e6, np.float32), "f16"))
+        expect(ValueError, "bf16 cannot hold the finite value", lambda: g.cache(np.full((2, 8), 3.4e38, np.float32), "bf16"))
+        big = np.ones((2, 32), np.float32); big[1, 3] = 1e7  # its block's scale 1e7 / 127 is inf as an f16: 32 NaN
+        expect(ValueError, "q8_0 cannot hold the finite value", lambda: g.cache(big, "q8_0"))
+        c8 = g.cache(np.ones((2, 32), np.float32), "q8_0")
+        expect(ValueError, "q8_0 cannot hold the finite value", lambda: g.set(c8, big))
+        g.input(np.array([65519.0]), dtype=np.float16); g.input(np.array([65505]), dtype=np.float16)  # round to 65504
+        g.cache(np.full((2, 8), 65519.0), "f16")
         expect(ValueError, "at least one element", lambda: g.cache(np.ones((0, 2, 8), np.float32), "f16"))
         q = g.input(np.ones((1, 4, 2, 32), np.float32)); k = g.input(np.ones((1, 2, 6, 32), np.float32))
         expect(ValueError, "finite as a float32", lambda: ops.flash_attn_train(g, q, k, k, None, 1e39))
         expect(ValueError, "finite as a float32", lambda: g.soft_max_ext(q, None, -1e39))
         expect(TypeError, "scale must be a real number", lambda: g.soft_max_ext(q, None, "x"))
+        expect(ValueError, "finite as a float32", lambda: g.soft_max_ext(q, None, 2**200))
+        expect(ValueError, "finite as a float32", lambda: g.soft_max_ext(q, None, 10**400))
+        expect(ValueError, "is 0 as a float32", lambda: ops.flash_attn_train(g, q, k, k, None, 1e-50))
         expect(TypeError, "a list of output tensors", lambda: g.build(q))
     """,
     # SPEC section 4: +INF or NaN in a mask makes every O, dQ of its rows NaN, with no error
@@ -154,6 +164,10 @@ CASES = {
         flat = g.input(np.zeros(24, np.float16))
         ops.flash_attn_train(g, q, k, k, g.reshape(flat, (6, 4, 1, 1)), 0.25)
         expect(ValueError, "finite values or -inf only", lambda: g.set(flat, bad.astype(np.float16).reshape(-1)))
+        leaf = g.input(bad.T.astype(np.float16))  # a mask made by cont() of a transposed leaf
+        expect(ValueError, "finite values or -inf only", lambda: ops.flash_attn_train(g, q, k, k, g.cont(g.permute(leaf, 1, 0, 2, 3)), 0.25))
+        s32 = g.input(np.zeros((2, 6), np.float32)); m32 = g.input(np.where(np.arange(12).reshape(2, 6) == 7, np.inf, 0).astype(np.float32))
+        expect(ValueError, "finite values or -inf only", lambda: g.soft_max_ext(s32, m32, 1.0))
     """,
     # ggml: GGML_ASSERT(mask->ne[0] == a->ne[0]) and the other mask asserts in ggml_soft_max_impl
     "soft_max_ext with a mask that does not fit": """

@@ -198,3 +198,39 @@ def test_optimizer_on_meta_is_refused(lib):
         w = g.param(np.ones((4, 3), np.float32))
         with pytest.raises(UsageError, match="ggml-opt cannot train on Meta\\(CPU,CPU\\) at this pin"):
             Optimizer(g, x, g.mul_mat(w, x), loss="mse")
+
+
+def test_an_interrupt_inside_the_split_callback_is_delivered_after_the_call(lib):
+    """SIGINT landing inside the meta device's split callback (set() of a split leaf after build asks it) used to
+    be swallowed by cffi, its fallback answer (mirrored) given to ggml, which aborted on the write; now the
+    interrupt is held until the call ends, the write is whole, and a compute after it gives the right values."""
+    from _misuse import run_child
+
+    run = run_child("import numpy as np\nfrom hotggml import meta, ops\nfrom hotggml.graph import Backend, Graph\n", """
+        import signal
+        rng = np.random.default_rng(0)
+        Q, K, V = (rng.standard_normal((2, n, 8), dtype=np.float32) for n in (4, 6, 6))
+        g = Graph(Backend.meta(["CPU", "CPU"]), scheduled=True)
+        q, k, v = g.input(Q), g.input(K), g.input(V)
+        for t in (q, k, v):
+            g.split(t, 2)
+        o = ops.get_o(ops.flash_attn_train(g, q, k, v, None, 0.3))
+        g.build([o]); g.set(q, 2 * Q); g.compute(); want = g.read(o)
+        armed = [True]
+        class Trap(dict):
+            def get(self, key, default=None):
+                if armed[0]:
+                    armed[0] = False
+                    signal.raise_signal(signal.SIGINT)
+                return dict.get(self, key, default)
+        meta._SPLITS = Trap(meta._SPLITS)
+        try:
+            g.set(q, 2 * Q)
+        except KeyboardInterrupt:
+            print("interrupted after the write")
+        assert not armed[0], "the callback was not asked"
+        g.compute()
+        assert np.array_equal(g.read(o), want)
+    """)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "interrupted after the write" in run.stdout and run.stdout.strip().endswith("alive")

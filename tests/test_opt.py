@@ -340,23 +340,46 @@ def test_bad_arguments_raise_instead_of_aborting(lib):
     print(run.stdout)
 
 
-def test_nan_or_posinf_data_is_refused_before_a_step_and_the_weights_survive(lib):
-    """One step on NaN or +inf (or on finite values beyond float32, which become inf) makes every weight NaN and
-    no later step recovers: step() and write() refuse them first, and the next good step trains as before."""
+def test_non_finite_data_is_refused_before_a_step_and_the_weights_survive(lib):
+    """One step on NaN or inf (or on finite values beyond float32, which become inf) makes every weight NaN and no
+    later step recovers: step() and write() refuse them first, -INF only in what a mask is made of, and the next
+    good step trains as before."""
     w0, b0 = _init()
     xb, yb = _data(8)
+    at5 = np.arange(xb.size).reshape(xb.shape) == 5
     with Backend("CPU", n_threads=2) as be, Graph(be) as g:
         x, w, b, y = _linear(g, 8, w0, b0)
         with Optimizer(g, x, y, adamw=HP) as opt:
             opt.step(xb, yb)
             before = opt.read(w)
-            for bad in (np.where(np.arange(xb.size).reshape(xb.shape) == 5, np.nan, xb),
-                        np.where(np.arange(xb.size).reshape(xb.shape) == 5, np.inf, xb), xb.astype(np.float64) * 1e39):
-                with pytest.raises(InputError, match=r"NaN or \+inf|beyond float32"):
+            for bad in (np.where(at5, np.nan, xb), np.where(at5, np.inf, xb), np.where(at5, -np.inf, xb),
+                        xb.astype(np.float64) * 1e39):
+                with pytest.raises(InputError, match="must be finite|beyond float32"):
                     opt.step(bad, yb)
-            for bad in (np.full((Dout, Din), np.nan, np.float32), np.full((Dout, Din), np.inf, np.float32)):
-                with pytest.raises(InputError, match=r"NaN or \+inf"):
-                    opt.write(w, bad)
+            for value in (np.nan, np.inf, -np.inf):
+                with pytest.raises(InputError, match="must be finite"):
+                    opt.write(w, np.full((Dout, Din), value, np.float32))
             assert np.array_equal(opt.read(w), before) and opt.steps == 1
             opt.step(xb, yb)
             assert np.isfinite(opt.read(w)).all() and not np.array_equal(opt.read(w), before)
+
+
+def test_a_mask_leaf_takes_minus_inf_and_refuses_plus_inf_through_the_optimizer(lib):
+    """The leaf a soft_max_ext mask is made of (here through cont(permute(.))) takes -INF, which hides entries,
+    and refuses +INF and NaN, which would make the rows NaN."""
+    rng = np.random.default_rng(3)
+    with Backend("CPU", n_threads=2) as be, Graph(be) as g:
+        x = g.input(np.zeros((4, 6), np.float32), "x")
+        w = g.param(rng.standard_normal((6, 6)).astype(np.float32), "w")
+        leaf = g.input(np.zeros((4, 6), np.float32), "mask leaf")
+        mask = g.cont(g.permute(g.permute(leaf, 1, 0, 2, 3), 1, 0, 2, 3))
+        y = g.soft_max_ext(g.mul_mat(w, x), mask, 1.0)
+        with Optimizer(g, x, y, adamw=HP) as opt:
+            hide = np.zeros((4, 6), np.float32)
+            hide[:, 0] = -np.inf
+            opt.write(leaf, hide)
+            opt.step(rng.standard_normal((4, 6)).astype(np.float32), np.full((4, 6), 0.2, np.float32))
+            for value in (np.inf, np.nan):
+                with pytest.raises(InputError, match="finite values or -inf only"):
+                    opt.write(leaf, np.where(hide == 0, value, hide).astype(np.float32))
+            assert np.isfinite(opt.read(w)).all()
