@@ -352,8 +352,8 @@ class Optimizer:
         labels: for "mse" and "cross_entropy", an array shaped like outputs (f32; for cross_entropy each row a
         distribution over ne[0], e.g. one-hot; an all-zero row contributes nothing); None for "mean"/"sum".
         Returns this micro-batch's loss (for the per-datapoint losses, undone from ggml-opt's 1/opt_period
-        scaling: the loss of the micro-batch alone). Raises InputError / InputTypeError for bad arrays,
-        UsageError when closed.
+        scaling: the loss of the micro-batch alone). Raises InputError / InputTypeError for bad arrays (values
+        that are not finite among them: one step on NaN or inf makes every weight NaN), UsageError when closed.
         """
         self._need_open()
         x = self._array_for(self.inputs, inputs, "inputs")
@@ -393,7 +393,8 @@ class Optimizer:
 
     def write(self, t: Tensor, array: np.ndarray) -> None:
         """Overwrite a param() or input() leaf (e.g. a new constant, or parameters to restart from).
-        Raises as ``read`` does, and InputError / InputTypeError for an array of another shape or kind."""
+        Raises as ``read`` does, and InputError / InputTypeError for an array of another shape or kind, or with
+        values that are not finite (-INF allowed in a leaf an attention mask is made of: Graph.mark_mask)."""
         self._need_open()
         self.graph.own(t)
         if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
