@@ -23,7 +23,7 @@ NEW_BUDGET = 16  # bytes a TF32 kernel without a baseline may spill
 # ptxas -v: "Function properties for NAME" then "N bytes stack frame, S bytes spill stores, ..." then "Used R registers"
 PROPS = re.compile(r"Function properties for (\S+)\n[^\n]*?(\d+) bytes spill stores[^\n]*\n[^\n]*?Used (\d+) registers")
 # _Z16fa_train_fwd_regI8fa_tilesILi256ELi256E...EELb0E...: the configuration, then the bool template arguments
-# (X3 first; the backward's WANT_DK, WANT_DV after it)
+# (X3 first; the backward's WANT_DK, WANT_DV after it; the forward's and backward's Q8 last)
 KERNEL = re.compile(r"fa_train_(fwd|bwd|di)_regI8fa_tilesI((?:Li\d+E)+)E((?:Lb[01]E)+)")
 
 

@@ -1,7 +1,7 @@
-// Checks fa_q8_0_block (patch flash-attn-train-cuda-kv-fast-q8_0) on the host, bitwise against the per-element
+// Checks fa_q8_0_block (patch flash-attn-train-cuda-kv-q8_0-ahead) on the host, bitwise against the per-element
 // definition (the int8 times the f16 scale in f32, then fa_tf32_bits; X3: kept), over random rows and the special
 // scales (zeros, subnormals, Inf, NaN), with the device's canonical NaN (0x7FFFFFFF) for a NaN product, which the
-// TF32 carry would turn into -0. Run: bash notes/unmeasured/q8_0_block_check.sh [the patched ggml tree]
+// TF32 carry would turn into -0. Run: bash tools/q8_0_block_check.sh [the patched ggml tree] (tests/test_q8_0_block.py does)
 #include <cstdint>
 #include <cstring>
 #include <cstdio>

@@ -3,7 +3,7 @@
 # q8_0_block_check.cpp against it (g++, no GPU)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-tree=${1:-$here/../../.hotggml/work/ggml}
+tree=${1:-$here/../.hotggml/work/ggml}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 awk '/^template <bool X3>$/ { hold = $0; next } hold != "" && /fa_q8_0_block\(/ { p = 1; print hold } { hold = "" } p { print } p && /^}$/ { p = 0 }' \
     "$tree/src/ggml-cuda/fattn-train-mma.cuh" | sed 's/(q\*d)/(nv_mul(q, d))/' > "$tmp/blk.inc"
