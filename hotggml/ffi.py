@@ -159,8 +159,7 @@ def load():
         _preload_dependencies(lib_dir, backend_dl)
         lib = ffi.dlopen(str(path))
         stamp = ffi.string(lib.hotggml_build_stamp()).decode()
-        if backend_dl:  # the backends are modules: the registry loads them (the best CPU variant for this CPU)
-            _load_backends(lib, lib_dir)
+        _init_backends(lib, lib_dir, backend_dl)
     except (OSError, AttributeError) as exc:
         raise LibraryError(_shadowed_message(lib_dir) or
                            f"{path} cannot be used ({exc}); rebuild with `hotggml build --backend cpu`") from exc
@@ -190,9 +189,12 @@ def _refuse_stale(path: Path, got: dict, want: dict) -> None:
 _PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process
 
 
-def _load_backends(lib, lib_dir: Path) -> None:
-    """ggml_backend_load_all_from_path(lib_dir), without its line per loaded module on stderr: ggml's INFO
-    messages are dropped while it runs, its warnings and errors (and their continuation lines) pass."""
+def _init_backends(lib, lib_dir: Path, backend_dl: bool) -> None:
+    """The backends registered without their INFO lines on stderr (a line per loaded module, ggml_vulkan's "No
+    devices found." without a visible device): the modules of lib_dir loaded where the backends are modules
+    (backend_dl: the registry picks the best CPU variant for this CPU), then the registry's first use, which
+    enumerates the devices of the backends linked in. ggml's warnings and errors (and their continuation lines)
+    pass; its default logger is back afterwards."""
     passing = [False]
 
     @ffi.callback("void(enum ggml_log_level, const char *, void *)")
@@ -204,7 +206,9 @@ def _load_backends(lib, lib_dir: Path) -> None:
 
     lib.ggml_log_set(warnings_only, ffi.NULL)
     try:
-        lib.ggml_backend_load_all_from_path(str(lib_dir).encode())
+        if backend_dl:
+            lib.ggml_backend_load_all_from_path(str(lib_dir).encode())
+        lib.ggml_backend_dev_count()
     finally:
         lib.ggml_log_set(ffi.NULL, ffi.NULL)  # ggml's default logger again
 

@@ -137,3 +137,21 @@ def test_lavapipe_loop_limit_refused_by_name(vulkan_device):
         probe(refused, be)
     with Backend(vulkan_device) as be:
         probe(Case("vk-lavapipe-depth-chunks-fit", Nh=1, Nkv=1, D=256, S=8, Skv=32 * 1900), be)
+
+
+@pytest.mark.vulkan
+def test_a_build_with_vulkan_keeps_stderr_clean_without_a_visible_device(vulkan_device):
+    """ggml_vulkan logs "No devices found." (INFO) when the registry is first used and no device is visible; the
+    binding registers the backends under its warnings-only logger, so a command's stderr stays its own."""
+    import os
+    import subprocess
+    import sys
+
+    from hotggml import ffi
+
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
+    env["HOTGGML_LIB_DIR"] = str(ffi.find_lib_dir())
+    run = subprocess.run([sys.executable, "-c", "from hotggml import ffi; print(ffi.load().ggml_backend_dev_count())"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and int(run.stdout) >= 1, run.stdout + run.stderr
+    assert run.stderr == "", run.stderr
