@@ -180,20 +180,17 @@ int main(int argc, char ** argv) {
     const bool causal = argc > 6 && !bias && window < 0 && pad == 0, implicit = (causal && strcmp(argv[6], "icausal") == 0) || window >= 0;
 
     // the register family's instance and configuration, as the backend picks them
-    int dk = 0, dvk = 0;
-    if (!fa_train_instance(D, Dv, dk, dvk)) { printf("no instance for D %d Dv %d\n", D, Dv); return 2; }
+    const fa_train_instance * inst = fa_train_instance_for(D, Dv);
+    if (!inst) { printf("no instance for D %d Dv %d\n", D, Dv); return 2; }
     int dev_kb; CK(cudaDeviceGetAttribute(&dev_kb, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
     size_t budget = (size_t) dev_kb;
     if (getenv("FA_SMEM_KB")) budget = std::min(budget, (size_t) atoi(getenv("FA_SMEM_KB"))*1024);
     fa_train_kernel kt;
-    kt.family = FA_TRAIN_TF32; kt.dk = dk; kt.dvk = dvk; kt.cls = fa_train_smem_class(budget);
+    kt.family = FA_TRAIN_TF32; kt.inst = inst; kt.cls = fa_train_smem_class(budget);
     if (kt.cls < 0) { printf("budget %zu below the smallest class\n", budget); return 2; }
     kt.limit = fa_smem_class_bytes[kt.cls];
     fa_train_kernel kx = kt; kx.family = FA_TRAIN_F32_X3;
-    int rows = 0;
-#define FA_TRAIN_REG_ROWS(DK, DVK) rows = kt.dk == DK && kt.dvk == DVK ? fa_reg_bwd_rows<DK, DVK>(kt.cls) : rows;
-    FA_TRAIN_REG_INSTANCES(FA_TRAIN_REG_ROWS)
-#undef FA_TRAIN_REG_ROWS
+    const int rows = inst->bwd_rows(kt.cls);
 
     std::mt19937 gen(42); std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> q((size_t) D*S*Nh), k((size_t) D*Skv*Nkv), v((size_t) Dv*Skv*Nkv);
@@ -265,7 +262,7 @@ int main(int argc, char ** argv) {
     float * operands; CK(cudaMalloc(&operands, ((size_t) Nkv*Skv + (size_t) Nh*S)*(D + Dv)*sizeof(float)));
     auto reg = [&](const fa_train_kernel & kk, bool back, fa_train_params pp, bool copies) {
         if (kk.family == FA_TRAIN_TF32 && copies) fa_train_round_operands(pp, back, operands, 0);
-        fa_train_reg_launch(kk, pp, back, 0); CK(cudaGetLastError());
+        kk.inst->launch(pp, back, kk.family == FA_TRAIN_F32_X3, kk.cls, kk.limit, 0); CK(cudaGetLastError());
     };
     auto v2       = [&]() { reg(kt, false, with_cells(), true); };
     auto v2_tiles = [&]() { reg(kt, false, with_cells(), false); }; // each streamed tile rounded where it lands
@@ -281,7 +278,7 @@ int main(int argc, char ** argv) {
     const double flops = 2.0*(D + Dv)*Nh*visible;
     printf("fwd S%d Skv%d Nh%d Nkv%d D%d Dv%d %s: instance d%d x %d, smem class %d KB (budget %zu), bwd rows %d\n", S, Skv, Nh, Nkv, D, Dv,
            bias ? "bias+NaN keys" : pad > 0 ? "padding+NaN keys" : window >= 0 ? "window (implicit)" : causal ? (implicit ? "causal (implicit)" : "causal") : "none",
-           dk, dvk, fa_smem_class_kb[kt.cls], budget, rows);
+           inst->dk, inst->dvk, (int) (fa_smem_class_bytes[kt.cls]/1024), budget, rows);
     as_ref();
     const float tf = time_ms(f32);
     as_test();

@@ -21,7 +21,6 @@ static __global__ void probe_kernel(const float * A, const float * B, float * C)
     fa_stage_async<LD, N, NT, true>(Bs, B, K, N, K, K % 4 == 0);
     fa_stage_async<LD, 64, NT, true>(A2s, A + 64*K, K, 64, K, K % 4 == 0);
     fa_stage_async<LD, N, NT, true>(B2s, B + N*K, K, N, K, K % 4 == 0);
-    fa_async_commit();
     cp_async_wait_all();
     fa_finish_tile<LD, 64, NT, false, true>(As, nullptr);
     fa_finish_tile<LD, N, NT, false, true>(Bs, nullptr);
