@@ -56,7 +56,7 @@ jobs() {
     for src in tools/wgmma_probe.cu tools/fa_train_harness.cu; do echo "$tree O0 90a $PWD/$src"; done
 }
 # compile ROOT OPT ARCHS SOURCE: one job (run by xargs, as many at a time as there are cores). The release compile
-# also writes ptxas' resource report (-Xptxas -v) to $ptxas_logs, for the spill gate below
+# writes ptxas' resource report (-v) of all but the X3 kernels (ci/ptx_without_x3.py) to $ptxas_logs, for the gate
 compile() {
     local root=$1 opt=$2 archs=$3 src=$4 gencode=() arch flags=() file log=/dev/null
     [[ $src = /* ]] && file=$src || file=$root/$src
@@ -65,11 +65,19 @@ compile() {
         else gencode+=(-gencode "arch=compute_$arch,code=sm_$arch"); fi
     done
     [ "$opt" = O0 ] && flags=(-Xcicc -O0 -Xptxas -O0)
-    [ "$opt" = full ] && flags=(-Xptxas -v) && log=$ptxas_logs/$(basename "$src").log
-    local t0=$SECONDS
-    nvcc -c -std=c++17 "${gencode[@]}" "${flags[@]}" -DNDEBUG -use_fast_math -extended-lambda \
-        -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc" "$file" -o /dev/null 2> "$log"
-    local rc=$?
+    [ "$opt" = full ] && log=$ptxas_logs/$(basename "$src").log
+    local t0=$SECONDS rc ptx
+    local common=(-std=c++17 -DNDEBUG -use_fast_math -extended-lambda -I"$root/include" -I"$root/src" -I"$root/src/ggml-cuda" -I"$inc")
+    if [ "$opt" = full ]; then   # one arch: its PTX at the release optimization, ptxas -v on all but the X3 kernels
+        ptx=$(mktemp --suffix=.ptx)
+        nvcc -ptx -arch="sm_$archs" "${common[@]}" "$file" -o "$ptx" 2> "$log" && python ci/ptx_without_x3.py "$ptx" &&
+            ptxas -arch="sm_$archs" -v "$ptx" -o /dev/null 2>> "$log"
+        rc=$?
+        rm -f "$ptx"
+    else
+        nvcc -c "${gencode[@]}" "${flags[@]}" "${common[@]}" "$file" -o /dev/null 2> "$log"
+        rc=$?
+    fi
     echo "nvcc $opt sm_${archs//,/ sm_} ${src#$PWD/}: $((SECONDS - t0)) s"   # after: the seconds say which jobs the step's time goes to
     [ "$log" = /dev/null ] || grep -vE "^ptxas info|^ +[0-9]+ bytes stack frame" "$log" >&2 # warnings and errors as before; the report stays in the log
     return $rc

@@ -72,3 +72,21 @@ def test_committed_baseline_covers_the_family():
     base = json.loads((ROOT / "ci" / "ptxas-spills.json").read_text())
     kinds = {key.split()[0] for key in base}
     assert kinds == {"fwd", "bwd", "di"} and len(base) > 100
+
+
+def test_ptx_without_x3_removes_only_the_compensated_kernels(tmp_path, monkeypatch):
+    """ci/ptx_without_x3.py: the X3 register kernels' entries go (ptxas never sees them), every other entry and the
+    text between entries stays byte for byte."""
+    monkeypatch.syspath_prepend(str(ROOT / "ci"))
+    spec = importlib.util.spec_from_file_location("ptx_without_x3", ROOT / "ci" / "ptx_without_x3.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def entry(name, body):
+        return f".visible .entry {name}(\n\t.param .u64 p\n)\n{{\n\t{body}\n}}\n"
+    head, between = "//\n.version 8.8\n.target sm_90a\n", "\n\t// .globl\tnext\n"
+    kept = [entry(FWD_TF32, "ret; // tf32"), entry(BWD_TF32, "ret; // bwd"), entry("_Z5otherv", "ret;")]
+    ptx = head + kept[0] + between + entry(FWD_X3, "ret; // x3") + between + kept[1] + kept[2]
+    text, removed = mod.without_x3(ptx)
+    assert removed == 1 and "x3" not in text
+    assert text == head + kept[0] + between + between + kept[1] + kept[2]
