@@ -404,7 +404,9 @@ int main(int argc, char ** argv) {
         pk.k_unit = unit(ks.row_bytes); pk.v_unit = unit(vs.row_bytes);
         const fa_train_params pf = p;
         std::vector<float> Os, Ls, Osx, Lsx;
-        auto fwd_stored = [&](const fa_train_kernel & kk) { p = pk; fa_train_params pc = with_cells(); p = pf; reg(kk, false, pc, true); };
+        auto fwd_stored = [&](const fa_train_kernel & kk) { // a forward's params: no gradient pointers (the Q8 kernels ask)
+            p = pk; fa_train_params pc = with_cells(); p = pf; pc.dK = pc.dV = nullptr; reg(kk, false, pc, true);
+        };
         run_read([&]() { fwd_stored(kt); }, Os, Ls);
         run_read([&]() { fwd_stored(kx); }, Osx, Lsx);
         const float tfs = time_ms([&]() { fwd_stored(kt); }), tff = time_ms(v2), tfs2 = time_ms([&]() { fwd_stored(kt); });
