@@ -284,9 +284,10 @@ FIELD = [
     # the same chunk against a frozen cache (dQ alone): K and V stored as q8_0, and its f32 twin
     Case("chunk-27b-q8_0-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True, k_type="q8_0", v_type="q8_0"),
     Case("chunk-27b-frozen-2048x75520", Nh=24, Nkv=4, D=256, S=2048, Skv=75520, causal=True, frozen_kv=True),
-    # head sizes other than 64 / 128 / 256 (SPEC §7): DiT-XL, UNet blocks, Phi-class LMs, 112 / 160, MLA-style
-    # 192 / 128, and DiT self-attention in batches of 4 with key padding
+    # head sizes other than 128 / 256 (SPEC §7): DiT-XL, a 1B-class LM's 64, UNet blocks, Phi-class LMs, 112 / 160,
+    # MLA-style 192 / 128, and DiT self-attention in batches of 4 with key padding
     Case("dit-d72-full-4096", Nh=16, Nkv=16, D=72, S=4096, Skv=4096),
+    Case("lm1b-d64-causal-4096", Nh=32, Nkv=8, D=64, S=4096, Skv=4096, causal=True),
     Case("unet-d80-full-2048", Nh=20, Nkv=20, D=80, S=2048, Skv=2048),
     Case("lm-d96-causal-4096", Nh=32, Nkv=8, D=96, S=4096, Skv=4096, causal=True),
     Case("d112-full-2048", Nh=16, Nkv=16, D=112, S=2048, Skv=2048),
