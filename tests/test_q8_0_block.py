@@ -1,8 +1,10 @@
-"""The CUDA kernels' q8_0 block dequantization (fa_q8_0_block: byte permutes and integer rounding, no conversion
-instructions), compiled for the host from the patched tree by tools/q8_0_block_check.sh, bitwise against the
+"""The CUDA kernels' q8_0 block dequantization (fa_q8_0_block: byte permutes, one exact fma and an integer carry, no
+conversion instructions), compiled for the host from the patched tree by tools/q8_0_block_check.sh, against the
 per-value definition (dequantize_row_q8_0's f32 product of the int8 and the f16 scale, then rounded to TF32 as
-fa_tf32_bits rounds; kept at x3) over random rows and every scale class (zeros, subnormals, the largest, Inf, NaN).
-No GPU: what the device runs is this function's arithmetic, which the host reproduces instruction for instruction."""
+fa_tf32_bits rounds) over random rows and every scale class (zeros, subnormals, the largest, Inf, NaN): bitwise as the
+tensor cores read a TF32 operand (its 13 low bits ignored; the harness's q8_0 arms, bitwise equal to their f32 K/V
+arms on the device, show that they do). No GPU: what the device runs is this function's arithmetic, which the host
+reproduces instruction for instruction."""
 import pathlib
 import shutil
 import subprocess

@@ -7,6 +7,7 @@
 # NCU='regex ...': instead of timing, profile the first launch of each kernel matching a regex with Nsight
 # Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks);
 # NCU_COUNT=N: the first N launches of each (the backward kernel's first two are dQ alone, then dK/dV alone).
+# INSTANCES='d64 d256': compile only those instances (the shapes must need no other; default: all).
 set -uo pipefail
 out=${1:?usage: bash tools/fa-harness.sh OUTDIR SHAPE...}; shift
 mkdir -p "$out"
@@ -30,7 +31,7 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
     # one object per register-family instance (template-instances/) and per variant, compiled in parallel, then linked
     for i in "${!variants[@]}"; do
         mkdir -p /tmp/fa_harness_o$i
-        for src in tools/fa_train_harness.cu $w/src/ggml-cuda/template-instances/fattn-train-instance-*.cu; do
+        for src in tools/fa_train_harness.cu $(for d in ${INSTANCES:-"*"}; do echo $w/src/ggml-cuda/template-instances/fattn-train-instance-$d.cu; done); do
             nvcc $flags ${variants[$i]} -c "$src" -o /tmp/fa_harness_o$i/$(basename "$src" .cu).o &
         done
     done

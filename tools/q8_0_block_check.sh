@@ -5,7 +5,6 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tree=${1:-$here/../.hotggml/work/ggml}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-awk '/^template <bool X3>$/ { hold = $0; next } hold != "" && /fa_q8_0_block\(/ { p = 1; print hold } { hold = "" } p { print } p && /^}$/ { p = 0 }' \
-    "$tree/src/ggml-cuda/fattn-train-mma.cuh" | sed 's/(q\*d)/(nv_mul(q, d))/' > "$tmp/blk.inc"
-grep -q nv_mul "$tmp/blk.inc" || { echo "fa_q8_0_block not found in $tree (or its product changed form)"; exit 1; }
+awk '/void fa_q8_0_block\(/ { p = 1 } p { print } p && /^}$/ { exit }' "$tree/src/ggml-cuda/fattn-train-mma.cuh" > "$tmp/blk.inc"
+[ -s "$tmp/blk.inc" ] || { echo "fa_q8_0_block not found in $tree"; exit 1; }
 g++ -O2 -std=c++17 -I"$tmp" "$here/q8_0_block_check.cpp" -o "$tmp/check" && "$tmp/check"
