@@ -5,7 +5,8 @@
 # family's instances of the patched tree, and runs it once per shape argument (its leading VAR=value words, e.g.
 # DV=128 FA_SMEM_KB=99, are that run's environment: see the harness). Output to OUTDIR/harness.log and stdout.
 # NCU='regex ...': instead of timing, profile the first launch of each kernel matching a regex with Nsight
-# Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks);
+# Compute (speed of light, occupancy, warp stall reasons; clocks left alone, as device/METHOD.md asks); the regexes
+# match mangled names, which tell the instantiations apart (...Lb0ELb1EEv: the TF32 forward's Q8 kernel);
 # NCU_COUNT=N: the first N launches of each (the backward kernel's first two are dQ alone, then dK/dV alone).
 # INSTANCES='d64 d256': compile only those instances (the shapes must need no other; default: all).
 set -uo pipefail
@@ -57,7 +58,7 @@ sdist=$(ls .hotggml/cache/ggml_python-*.tar.gz 2>/dev/null | head -n 1)
         fi
         for k in $NCU; do
             echo "=== ncu $k at $shape"
-            ncu --clock-control none -k "regex:$k" -c "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy \
+            ncu --clock-control none --kernel-name-base mangled -k "regex:$k" -c "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy \
                 --section WarpStateStats --section SchedulerStats --section LaunchStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" env /tmp/fa_harness0 $shape \
