@@ -318,6 +318,12 @@ TYPES = [
     Case("kv-q8_0-f16-long-padding", Nh=4, Nkv=2, D=64, S=96, Skv=700, mask="padding", pad_keys=150, garbage=True,
          k_type="q8_0", v_type="f16", seed=5),
     Case("kv-q8_0-d256-causal-tail", Nh=6, Nkv=1, D=256, S=64, Skv=600, causal=True, k_type="q8_0", v_type="q8_0"),
+    # CUDA's q8_0 blocks take several query heads of a GQA group as their rows (5 and 8 here): heads that leave
+    # rows of a block idle, a partial last block, a window, fully masked query rows
+    Case("kv-q8_0-gqa5-window", B=2, Nh=10, Nkv=2, D=64, S=70, Skv=150, window=20, q_view=True, k_type="q8_0",
+         v_type="q8_0", seed=7),
+    Case("kv-q8_0-gqa8-masked-rows", Nh=8, Nkv=1, D=128, S=50, Skv=90, mask="causal", masked_rows=(3, 41),
+         k_type="q8_0", v_type="q8_0", seed=8),
     # the field's tiny gradient: dO at 1e-4 of its usual size; dQ, LSE and D_i = dO . O each checked on its own
     Case("kv-q8_0-tiny-do", Nh=4, Nkv=2, D=64, S=29, Skv=77, mask="causal", do_scale=1e-4, k_type="q8_0",
          v_type="q8_0", tags=("d_i",)),
