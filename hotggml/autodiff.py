@@ -102,6 +102,12 @@ def refusals(roots) -> list[str]:
             if (int(a.ne[2]), int(a.ne[3])) != (int(b.ne[2]), int(b.ne[3])) and int(b.ne[3]) != 1:
                 reasons.add("ggml's autodiff cannot sum mul_mat's gradient over a broadcast in dim 3: make the "
                             f"param operand [.., {int(b.ne[2])}, {int(b.ne[3])}] or the other one's dim 3 equal 1")
+        if op == "MUL_MAT" and src_needs[1] and int(ptr.src[0].type) in (int(lib.GGML_TYPE_F16), int(lib.GGML_TYPE_BF16)):
+            # src1's gradient is OUT_PROD(src0, grad), which no backend runs on an f16/bf16 src0: ggml's scheduler
+            # asserts (every backend refuses the node), a single backend fails at compute
+            type_name = ffi.string(lib.ggml_type_name(ptr.src[0].type)).decode()
+            reasons.add(f"the gradient of mul_mat's second operand through a {type_name} first one needs OUT_PROD "
+                        f"with a {type_name} operand, which no ggml backend runs: make the first operand f32 (cast)")
     return sorted(reasons)
 
 

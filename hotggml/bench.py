@@ -183,12 +183,13 @@ def ceiling_size(device: str) -> int:
     return CEILING_N_CPU if all(name.upper() == "CPU" for name in names) else CEILING_N
 
 
-def tf32_ceiling(device: str, n: int = CEILING_N, runs: int = 5) -> float:
+def tf32_ceiling(device: str, n: int = CEILING_N, runs: int = 5, threads: int | None = None) -> float:
     """TFLOP/s of ggml's own f32 mul_mat [n, n] x [n, n] on ``device`` (cuBLAS with TF32 tensor cores
-    on CUDA): the ceiling the fused kernels are read against, measured in the same call. Median of runs."""
+    on CUDA): the ceiling the fused kernels are read against, measured in the same call. Median of runs;
+    threads: the CPU backend's (None: ggml's default)."""
     rng = np.random.default_rng(7)
     a = rng.standard_normal((n, n), dtype=np.float32)
-    with Backend(device) as be, Graph(be) as g:
+    with Backend(device, n_threads=threads) as be, Graph(be) as g:
         out = g.mul_mat(g.input(a, "a"), g.input(a.T.copy(), "b"))
         g.build([out])
         g.compute()  # warm-up
@@ -239,13 +240,14 @@ class FieldRow:
 
 
 def field_row(case: Case, device: str, runs: int = 5, with_f32: bool = True, with_chain: bool = True,
-              warmup: int = 1, caps: tuple[int, ...] = ()) -> FieldRow:
+              warmup: int = 1, caps: tuple[int, ...] = (), threads: int | None = None) -> FieldRow:
     """Time the fused fwd+bwd (TF32 path and f32 path), the exact chain and the TF32 path under each
-    shared-memory cap (KiB, CUDA only) at ``case``, interleaved (the order reversed every other round)."""
+    shared-memory cap (KiB, CUDA only) at ``case``, interleaved (the order reversed every other round);
+    threads: the CPU backend's (None: ggml's default)."""
     arms = [("fused_tf32", "default", None)] + ([("fused_f32", "f32", None)] if with_f32 else [])
     arms += [("chain", None, None)] if with_chain else []
     arms += [(f"tf32@{kib}", "default", kib) for kib in caps]
-    with Backend(device) as be:
+    with Backend(device, n_threads=threads) as be:
         graphs, kernels, kv_bytes = {}, {}, 0
         try:
             for arm, prec, kib in arms:
@@ -336,9 +338,10 @@ def format_field(rows: list[FieldRow], ceiling: float, device: str, ceiling_n: i
     return "\n".join(lines)
 
 
-def profile_by_op(case: Case, device: str, prec: str | None) -> dict[str, float]:
-    """Seconds per op name over the fwd+bwd graph computed node by node (prec None: the exact chain)."""
-    with Backend(device) as be, Graph(be, scheduled=True) as g:
+def profile_by_op(case: Case, device: str, prec: str | None, threads: int | None = None) -> dict[str, float]:
+    """Seconds per op name over the fwd+bwd graph computed node by node (prec None: the exact chain; threads:
+    the CPU backend's, None: ggml's default)."""
+    with Backend(device, n_threads=threads) as be, Graph(be, scheduled=True) as g:
         build_chain(g, case) if prec is None else build_fused(g, case, prec)
         g.compute()  # warm-up: first-use costs (cuBLAS handles, pool growth) are not a node's time
         out: dict[str, float] = {}

@@ -679,6 +679,12 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.sets:
         return _run_bench_table(args)
+    table_only = [flag for flag, given in (("--json", args.json), ("--profile", args.profile), ("--no-chain", args.no_chain),
+                  ("--no-f32", args.no_f32), ("-p", args.pattern), ("--smem-caps", args.smem_caps)) if given]
+    if table_only:  # they shape the table; the one case's paired timing would silently ignore them
+        print(f"hotggml: error: {', '.join(table_only)} need --set (the table); --case prints one paired timing",
+              file=sys.stderr)
+        return 2
     if args.list:
         return _print_cases([c for c in cases.SMOKE + cases.REAL + cases.FIELD])
     found = [c for c in cases.SMOKE + cases.REAL + cases.FIELD if c.id == args.case]
@@ -710,17 +716,17 @@ def _run_bench_table(args: argparse.Namespace) -> int:
     if ceiling_n != bench.CEILING_N:
         print(f"hotggml: bench: the TFLOP/s ceiling is ggml's f32 mul_mat at {ceiling_n}^3 on {device} (seconds; "
               f"{bench.CEILING_N}^3, the GPU's, takes minutes on a CPU)", file=sys.stderr, flush=True)
-    ceiling = bench.tf32_ceiling(device, n=ceiling_n)
+    ceiling = bench.tf32_ceiling(device, n=ceiling_n, threads=args.threads)
     rows = []
     for i, case in enumerate(selected, start=1):
         rows.append(bench.field_row(case, device, args.runs, with_f32=not args.no_f32, with_chain=not args.no_chain,
-                                    caps=args.smem_caps))
+                                    caps=args.smem_caps, threads=args.threads))
         _progress(i, len(selected), f"timed {case.id}")
         if args.profile:
             for arm, prec in (("fused tf32", "default"), ("chain", None)):
                 if prec is None and args.no_chain:
                     continue
-                ops = bench.profile_by_op(case, device, prec)
+                ops = bench.profile_by_op(case, device, prec, args.threads)
                 print(f"  profile {case.id} {arm}: " + ", ".join(f"{op} {s * 1e3:.2f} ms" for op, s in ops.items()
                                                                if s >= 0.01 * sum(ops.values())), flush=True)
     print(bench.format_field(rows, ceiling, device, ceiling_n))

@@ -621,7 +621,8 @@ class Graph:
         if 0 in array.shape:  # as input(): ggml takes the product of the dims, and the ops divide by them
             raise InputError(f"cache {name or ''}: every axis needs at least one element, got shape {array.shape}")
         kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
-        if type_name == "f32":
+        if type_name == "f32":  # a float64 beyond float32's range is refused, not made inf
+            kvcache.check_held(array, kvcache.encode(array, "f32"), "f32", f"cache {name or ''}")
             return self.input(array.astype(np.float32), name)
         if self.ctx is None:
             raise UsageError("this Graph is closed")
@@ -951,12 +952,13 @@ class Graph:
                 raise InputError(f"loss must be an f32 scalar, got {loss.dtype} {loss.ne}")
             # ggml_build_backward_expand asserts (and kills the interpreter) when no node of the graph is a
             # parameter, when the loss is a leaf, and where autodiff meets what it cannot differentiate
-            nodes, _ = walk([t.ptr for t in (*outputs, loss)])
-            if not any(int(n.flags) & FLAG_PARAM for n in nodes):
-                raise InputError("build() with a loss needs a param() that the outputs or the loss depend on: "
-                                 "declare the leaves that need gradients with Graph.param")
             if int(loss.ptr.op) == 0 and not int(loss.ptr.flags) & FLAG_PARAM:
                 raise InputError("the loss must be computed from the graph (an op's result), not an input")
+            # (the loss's: one only an output depends on gets no gradient, and the loss none to seed)
+            nodes, _ = walk([loss.ptr])
+            if not any(int(n.flags) & FLAG_PARAM for n in nodes):
+                raise InputError("build() with a loss needs a param() that the loss depends on: declare the "
+                                 "leaves that need gradients with Graph.param")
             from hotggml import autodiff  # it imports this module
 
             autodiff.check([loss.ptr])
@@ -1071,8 +1073,16 @@ class Graph:
         return int(sizes[0])
 
     def unsupported_nodes(self) -> list[str]:
-        """Nodes the backend's supports_op refuses ('' list when all run there)."""
-        return [f"{t.op_name} {t.ne}" for t in self.nodes() if not self.backend.supports_op(t)]
+        """Nodes the backend's supports_op refuses ('' list when all run there); for a scheduled Graph, the nodes
+        that none of the scheduler's backends supports (ggml's scheduler asserts on one, killing the process)."""
+        backends = self._sched.backends if self._sched is not None else [self.backend]
+        return [f"{t.op_name} {t.ne}" for t in self.nodes() if not any(b.supports_op(t) for b in backends)]
+
+    def _check_supported(self) -> None:
+        refused = self.unsupported_nodes()
+        if refused:
+            names = self.backend.device_name if self._sched is None else " or ".join(b.device_name for b in self._sched.backends)
+            raise BackendError(f"{names} does not support: {', '.join(refused[:5])}")
 
     # -- scheduler (scheduled=True) ----------------------------------------------------------
     def _need_sched(self):
@@ -1091,8 +1101,10 @@ class Graph:
     def plan(self) -> None:
         """Place and split the built graph without allocating (placement() then answers): a probe."""
         self._need_graph()
+        sched = self._need_sched()
+        self._check_supported()
         with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
-            self._need_sched().split(self.gf)
+            sched.split(self.gf)
         self._placed = True
 
     def placement(self) -> list[tuple[Tensor, str]]:
@@ -1113,15 +1125,13 @@ class Graph:
         return self._need_sched().n_splits
 
     def _allocate(self) -> None:
+        self._check_supported()
         if self._sched is not None:
             if not self._sched.alloc(self.gf):
                 raise OutOfMemoryError("graph allocation failed in the scheduler over "
                                   + ", ".join(b.device_name for b in self._sched.backends))
             self._placed = True
             return
-        refused = self.unsupported_nodes()
-        if refused:
-            raise BackendError(f"{self.backend.device_name} does not support: {', '.join(refused[:5])}")
         if self._galloc is None:
             self._galloc = self._new_allocator()
         if not self.lib.ggml_gallocr_alloc_graph(self._galloc, self.gf):

@@ -30,9 +30,12 @@ def check_type(type_name: str) -> None:
 
 
 def check_row(type_name: str, n: int, what: str = "a row") -> None:
-    """Raise InputError when rows of n values cannot be stored in type_name (q8_0: whole 32-value blocks)."""
+    """Raise InputError when rows of n values cannot be stored in type_name (q8_0: whole 32-value blocks; every
+    type: at least one value, which ggml's quantizer needs)."""
     check_type(type_name)
     per_block = _BLOCK[type_name][0]
+    if n < 1:
+        raise InputError(f"{what} of {n} values cannot be {type_name}: a row holds at least one value")
     if n % per_block:
         raise InputError(f"{what} of {n} values cannot be {type_name}: its rows are blocks of {per_block} values")
 
@@ -97,13 +100,20 @@ def stored(x: np.ndarray, type_name: str) -> np.ndarray:
 
 def check_held(x: np.ndarray, raw: np.ndarray, type_name: str, what: str) -> None:
     """Raise InputError where ``raw`` (x encoded in type_name) holds inf or NaN for a finite value of x: a value
-    beyond the type's range (f16 65504, bf16 about 3.39e38), or, in q8_0, a block whose scale (its largest
-    magnitude / 127, stored as f16) overflows or that holds a non-finite value, which makes all 32 of its values
-    NaN or inf."""
-    x = np.asarray(x, dtype=np.float32)
-    lost = np.isfinite(x) & ~np.isfinite(decode(raw, type_name, x.shape[-1]))
+    beyond the type's range (f32 about 3.40e38 for a float64 x, f16 65504, bf16 about 3.39e38), or, in q8_0, a
+    block whose scale (its largest magnitude / 127, stored as f16) overflows or that holds a non-finite value,
+    which makes all 32 of its values NaN or inf; and where it holds a finite value for a NaN or inf of x (q8_0
+    quantizes a non-finite value that does not make its block NaN to a finite one)."""
+    x = np.asarray(x)  # as given: a float64 beyond float32's range is finite here and inf once stored
+    held = decode(raw, type_name, x.shape[-1])
+    lost = np.isfinite(x) & ~np.isfinite(held)
     if lost.any():
         where = tuple(int(i) for i in np.argwhere(lost)[0])
-        raise InputError(f"{what}: {type_name} cannot hold the finite value {x[where]!r} at {where} (NumPy index): it "
+        raise InputError(f"{what}: {type_name} cannot hold the finite value {float(x[where])!r} at {where} (NumPy index): it "
                          f"would read as inf or NaN" + (" (a q8_0 block holds magnitudes below 65520 x 127, all finite)"
                                                         if type_name == "q8_0" else ""))
+    hidden = ~np.isfinite(x) & np.isfinite(held)  # q8_0: a lone NaN in a finite block is quantized to 0
+    if hidden.any():
+        where = tuple(int(i) for i in np.argwhere(hidden)[0])
+        raise InputError(f"{what}: {type_name} would hold the non-finite value {float(x[where])!r} at {where} (NumPy index) "
+                         f"as the finite {float(held[where])!r}: a q8_0 block is all finite or all NaN")

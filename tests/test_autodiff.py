@@ -32,6 +32,20 @@ CASES = {
         o = ops.get_o(ops.flash_attn_train(g, q, k, v, None, 0.5))
         g.build([o], g.sum(o))
     """),
+    "a param only an output depends on": ("needs a param() that the loss depends on", """
+        g = Graph(be); a = g.input(np.ones(4, np.float32)); p = g.param(np.ones(4, np.float32))
+        g.build([p], g.sum(a))
+    """),
+    "mul_mat's gradient through an f16 operand": ("OUT_PROD with a f16 operand", """
+        g = Graph(be); a = g.input(np.ones((5, 32), np.float16)); w = g.param(np.ones((3, 32), np.float32))
+        y = g.mul_mat(a, g.mul(g.input(np.ones((3, 32), np.float32)), w))
+        g.build([y], g.sum(y))
+    """),
+    "the Optimizer over mul_mat's gradient through an f16 cache": ("OUT_PROD with a f16 operand", """
+        g = Graph(be); x = g.input(np.ones((3, 32), np.float32)); w = g.param(np.ones((3, 32), np.float32))
+        y = g.mul_mat(g.cache(np.ones((5, 32), np.float32), "f16"), g.mul(x, w))
+        Optimizer(g, x, y, loss="mse")
+    """),
     "a leaf as the loss": ("computed from the graph", """
         g = Graph(be); p = g.param(np.zeros(3, np.float32))
         g.build([p], g.input(np.ones(1, np.float32)))

@@ -17,7 +17,7 @@ from hotggml import paths
 
 PRELUDE = """
 import numpy as np
-from hotggml import ops
+from hotggml import kvcache, ops
 from hotggml.graph import Backend, Graph
 be = Backend("CPU")
 """
@@ -142,6 +142,13 @@ CASES = {
         expect(ValueError, "q8_0 cannot hold the finite value", lambda: g.cache(big, "q8_0"))
         c8 = g.cache(np.ones((2, 32), np.float32), "q8_0")
         expect(ValueError, "q8_0 cannot hold the finite value", lambda: g.set(c8, big))
+        for kind in ("f32", "f16", "bf16", "q8_0"):  # float64 values finite only before the conversion
+            expect(ValueError, f"{kind} cannot hold the finite value 1e+300", lambda: g.cache(np.full((2, 32), 1e300), kind))
+        expect(ValueError, "bf16 cannot hold the finite value 1e+300", lambda: g.set(g.cache(np.ones((2, 32)), "bf16"), np.full((2, 32), 1e300)))
+        lone = np.ones((2, 32), np.float32); lone[0, 3] = np.nan  # ggml's quantizer makes it 0.0, its block finite
+        expect(ValueError, "non-finite value nan at (0, 3)", lambda: g.cache(lone, "q8_0"))
+        expect(ValueError, "at least one value", lambda: kvcache.stored(np.zeros((3, 0), np.float32), "q8_0"))
+        expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
         g.input(np.array([65519.0]), dtype=np.float16); g.input(np.array([65505]), dtype=np.float16)  # round to 65504
         g.cache(np.full((2, 8), 65519.0), "f16")
         expect(ValueError, "at least one element", lambda: g.cache(np.ones((0, 2, 8), np.float32), "f16"))

@@ -113,6 +113,15 @@ def test_the_longest_sequence_length_accepted_is_refused_by_the_binding_in_one_l
     assert cli._max_seq() == 2**46 == graph.MAX_TENSOR_BYTES // 4
 
 
+@pytest.mark.parametrize("flag", [["--json", "ROWS"], ["--profile"], ["--no-chain"], ["-p", "dit"]])
+def test_bench_table_options_without_a_set_are_refused_not_ignored(flag, tmp_path):
+    # they shape the --set table; the one case's timing printed as if they had been taken (exit 0, no JSON)
+    rows = tmp_path / "rows.json"
+    run = _hotggml("bench", "--case", "tiny", *[str(rows) if f == "ROWS" else f for f in flag])
+    assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
+    assert f"{flag[0]} need --set" in run.stderr and not rows.exists(), run.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["parity", "--threads", "1,513"], "argument --threads: threads must be in [1, 512], got 513"),
     (["parity", "--threads", "0"], "argument --threads: threads must be in [1, 512], got 0"),
