@@ -587,6 +587,8 @@ class Graph:
         """A leaf holding ``array`` (uploaded at compute time); NumPy shape (.., slowest) -> ggml reversed."""
         if self.ctx is None:
             raise UsageError("this Graph is closed")
+        if name is not None and not isinstance(name, str):
+            raise InputTypeError(f"input name must be a str, got {type(name).__name__}")
         array = np.asarray(array)
         dtype = np.dtype(dtype or array.dtype)
         if dtype not in _GGML_TYPES:
@@ -614,6 +616,8 @@ class Graph:
         after build()."""
         from hotggml import kvcache
 
+        if name is not None and not isinstance(name, str):
+            raise InputTypeError(f"cache name must be a str, got {type(name).__name__}")
         array = np.asarray(array)
         kvcache.check_type(type_name)
         if array.dtype.kind not in "fiu" or not 1 <= array.ndim <= GGML_MAX_DIMS:
@@ -928,9 +932,14 @@ class Graph:
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
         """Scalar loss L = sum_i sum(t_i * w_i) with constant w_i, so dL/dt_i = w_i (seeded loss gradients)."""
+        if not outputs:
+            raise InputError("dot_loss needs at least one (tensor, weight) pair")
         loss = None
         for t, w in outputs:
-            w = np.asarray(w, dtype=np.float32)
+            w = np.asarray(w)
+            if w.dtype.kind not in "fiu" or not np.isfinite(w).all() or (np.abs(w) > np.finfo(np.float32).max).any():
+                raise InputError("loss weights must be real values finite as float32")
+            w = w.astype(np.float32)
             if ggml_shape(w.shape) != t.ne:
                 raise InputError(f"loss weight shape {w.shape} does not match tensor {t.ne}")
             term = self.sum(self.mul(self.cont(t) if not t.is_contiguous() else t, self.input(w, "loss weight")))

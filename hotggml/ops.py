@@ -46,8 +46,8 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None)
     if k.ne[3] != B or v.ne[3] != B:
         raise InputError(f"batch differs: q {B}, k {k.ne[3]}, v {v.ne[3]}")
     if mask is not None:
-        if mask.dtype != np.float16:
-            raise InputTypeError(f"mask must be float16, got {mask.dtype}")
+        if mask.type_name != "f16":  # by type name: a bf16 or q8_0 tensor has no NumPy dtype to name
+            raise InputTypeError(f"mask must be f16, got {mask.type_name}")
         if not mask.is_contiguous():
             raise InputError("mask must be contiguous")
         Skv = k.ne[1]

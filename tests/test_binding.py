@@ -66,7 +66,7 @@ def test_float16_param_is_refused_as_q(cpu):
 
 
 @pytest.mark.parametrize("mask_shape,dtype,match,exc", [
-    ((1, 5, 7), np.float32, "float16", TypeError),      # wrong dtype
+    ((1, 5, 7), np.float32, "must be f16, got f32", TypeError),  # wrong dtype
     ((1, 4, 7), np.float16, "S'", ValueError),          # S' = 4 < S = 5
     ((2, 1, 5, 7), np.float16, "1, 1 or", ValueError),   # ggml ne [7, 5, 1, 2]: batch 2 != B = 1
     ((1, 2, 5, 7), np.float16, "1, 1 or", ValueError),   # ggml ne [7, 5, 2, 1]: ne[2] != 1

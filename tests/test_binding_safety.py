@@ -149,6 +149,11 @@ CASES = {
         expect(ValueError, "non-finite value nan at (0, 3)", lambda: g.cache(lone, "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.stored(np.zeros((3, 0), np.float32), "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
+        expect(TypeError, "name must be a str", lambda: g.input(np.ones(2, np.float32), name=5))
+        expect(ValueError, "finite as float32", lambda: g.dot_loss([(g.input(np.ones(2, np.float32)), np.full(2, 1e300))]))
+        expect(ValueError, "at least one", lambda: g.dot_loss([]))
+        qq = g.input(np.ones((1, 4, 2, 32), np.float32)); kk = g.input(np.ones((1, 2, 6, 32), np.float32))
+        expect(TypeError, "mask must be f16, got bf16", lambda: ops.flash_attn_train(g, qq, kk, kk, g.cache(np.zeros((4, 6)), "bf16"), 0.25))
         g.input(np.array([65519.0]), dtype=np.float16); g.input(np.array([65505]), dtype=np.float16)  # round to 65504
         g.cache(np.full((2, 8), 65519.0), "f16")
         expect(ValueError, "at least one element", lambda: g.cache(np.ones((0, 2, 8), np.float32), "f16"))
