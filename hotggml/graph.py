@@ -78,6 +78,8 @@ class Backend:
         registry devices (Backend.meta). n_threads: the CPU backend's threads (each CPU of a meta device's)."""
         if not isinstance(device_name, str):
             raise InputTypeError(f"device_name must be a str (CPU, CUDA0, ..), got {type(device_name).__name__}")
+        if "\0" in device_name or not device_name.isprintable():  # C would read up to a NUL: another device
+            raise InputError(f"device_name must be printable text without NUL, got {device_name!r}")
         if n_threads is not None:
             if not isinstance(n_threads, int) or isinstance(n_threads, bool):
                 raise InputTypeError(f"n_threads must be an int, got {type(n_threads).__name__}")

@@ -129,6 +129,14 @@ CASES = {
         fwd = ops.flash_attn_train(g, q, k16, k16, None, 0.25)
         expect(ValueError, "f16 k of flash_attn_train", lambda: g.build([fwd], g.sum(fwd)))
     """,
+    # ggml-backend.cpp: GGML_ASSERT(*cur_backend_id != -1) when no backend of the scheduler supports a node
+    "a node no scheduled backend runs": """
+        g = Graph(be, scheduled=True); a = g.input(np.ones((5, 32), np.float16)); b = g.input(np.ones((5, 3), np.float32))
+        y = g.wrap(g.lib.ggml_out_prod(g.ctx, a.ptr, b.ptr))  # OUT_PROD with an f16 operand: no backend here
+        g.build([y])
+        expect(RuntimeError, "does not support: OUT_PROD", g.plan)
+        expect(RuntimeError, "does not support: OUT_PROD", g.compute)
+    """,
     # values ggml would have taken as something else without a word
     "values a conversion would change": """
         g = Graph(be)
@@ -150,6 +158,8 @@ CASES = {
         expect(ValueError, "at least one value", lambda: kvcache.stored(np.zeros((3, 0), np.float32), "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
         expect(TypeError, "name must be a str", lambda: g.input(np.ones(2, np.float32), name=5))
+        expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0) + "junk"))
+        expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0xDCFF)))
         expect(ValueError, "finite as float32", lambda: g.dot_loss([(g.input(np.ones(2, np.float32)), np.full(2, 1e300))]))
         expect(ValueError, "at least one", lambda: g.dot_loss([]))
         qq = g.input(np.ones((1, 4, 2, 32), np.float32)); kk = g.input(np.ones((1, 2, 6, 32), np.float32))
