@@ -400,9 +400,9 @@ def _ints(noun: str, low: int = 1, high: Callable[[], int] | None = None) -> Cal
     """An argparse type: a comma list of ints in [low, high()] (high a callable, so a bound from a module that
     loads NumPy is read only when the option is given), the errors naming ``noun``."""
     def parse(text: str) -> list[int]:
-        parts = [x for x in text.split(",") if x.strip()]
-        try:
-            values = [int(x) for x in parts]
+        parts = text.split(",")
+        try:  # an empty item ("1,,2", "2,") is a typo, not a list of two
+            values = [int(x) for x in parts] if all(x.strip() for x in parts) else []
         except ValueError:
             values = []
         if not values:

@@ -85,8 +85,10 @@ class DemoConfig:
         for name in ("symbols", "length", "heads", "kv_heads", "head_dim", "layers", "batch", "opt_period", "steps",
                      "threads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be an int >= 1, got {value!r}")
+            low = FINAL_WINDOW + 1 if name == "steps" else 1  # the final loss averages the last FINAL_WINDOW steps
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"{name} must be an int >= {low}, got {value!r}"
+                                 + (f" (the final loss averages the last {FINAL_WINDOW})" if name == "steps" else ""))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InputError(f"seed must be an int in [0, 2**63) (NumPy's generators take no negative seed), got {self.seed!r}")
         if self.threads > 512:  # the CPU backend's bound (hotggml.graph.Backend)
@@ -95,8 +97,6 @@ class DemoConfig:
             raise InputError("symbols and length must be >= 2 (a reversal of one symbol needs no attention)")
         if self.heads % self.kv_heads:
             raise InputError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.steps <= FINAL_WINDOW:
-            raise InputError(f"steps must be > {FINAL_WINDOW} (the final loss averages the last {FINAL_WINDOW})")
         if not isinstance(self.backend, str):
             raise InputError(f"backend must be a registry device name, got {self.backend!r}")
         if not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < 1):

@@ -125,6 +125,8 @@ def test_bench_table_options_without_a_set_are_refused_not_ignored(flag, tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["parity", "--threads", "1,513"], "argument --threads: threads must be in [1, 512], got 513"),
     (["parity", "--threads", "0"], "argument --threads: threads must be in [1, 512], got 0"),
+    (["parity", "--threads", "1,,2"], "argument --threads: threads must be a comma list of integers, got '1,,2'"),
+    (["memory", "--seq", "1024,"], "argument --seq: "),
     (["bench", "--threads", "-1"], "argument --threads: threads must be in [1, 512], got -1"),
     (["bench", "--threads", str(2**70)], f"argument --threads: threads must be in [1, 512], got {2**70}"),
     (["bench", "--runs", "x"], "argument --runs: runs must be an integer, got 'x'"),

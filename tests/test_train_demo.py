@@ -75,8 +75,9 @@ def test_plot_needs_matplotlib(lib, tmp_path):
 
 def test_usage_errors():
     assert _hotggml("train-demo", "--every", "0").returncode == 2
-    run = _hotggml("train-demo", "--steps", "5")
-    assert run.returncode == 2 and "steps must be >" in run.stderr
+    for steps in ("5", "0"):  # one bound, one message, whether below 1 or within the final window
+        run = _hotggml("train-demo", "--steps", steps)
+        assert run.returncode == 2 and f"steps must be an int >= 11, got {steps}" in run.stderr
     run = _hotggml("train-demo", "--seed", "-1")  # one error line before any training, not NumPy's traceback
     assert run.returncode == 2 and "seed must be" in run.stderr and "Traceback" not in run.stderr
     with pytest.raises(InputError, match="multiple"):
