@@ -563,6 +563,7 @@ class Graph:
         self._loss: Tensor | None = None
         self._computed = False
         self._placed = False
+        self._supported = False  # every node of the built graph runs on a backend (checked once: the graph is fixed)
         self._owner: str | None = None  # set by freeze(): who builds and computes this Graph's nodes instead
         self._splits: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}  # leaf address -> split (split())
 
@@ -1090,7 +1091,10 @@ class Graph:
         return [f"{t.op_name} {t.ne}" for t in self.nodes() if not any(b.supports_op(t) for b in backends)]
 
     def _check_supported(self) -> None:
+        if self._supported:
+            return
         refused = self.unsupported_nodes()
+        self._supported = not refused
         if refused:
             names = self.backend.device_name if self._sched is None else " or ".join(b.device_name for b in self._sched.backends)
             raise BackendError(f"{names} does not support: {', '.join(refused[:5])}")
