@@ -262,6 +262,8 @@ def add_patches_parser(subparsers: argparse._SubParsersAction) -> None:
                        ).set_defaults(func=_run_check)
     export = actions.add_parser("export", help="write the work tree's commits back to patches/")
     export.add_argument("--dry-run", action="store_true", help="list files that would change; exit 1 if any")
+    export.add_argument("--force", action="store_true",
+                        help="write even where patches/ changed since the work tree was made from it")
     export.add_argument("--upstream", metavar="DIR", default=None,
                         help="instead: write the `Upstream-Status: submit` patches to DIR for ggml upstream, "
                              "one mail-ready file each, without the project's trailers")
@@ -307,16 +309,16 @@ def _run_check(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from hotggml import patches
 
-    if args.upstream:
+    if args.upstream is not None:  # "" is a folder named wrongly, not "not given"
         if args.dry_run:
             print("hotggml: error: --upstream and --dry-run do not go together", file=sys.stderr)
             return 2
         for path in patches.export_upstream(args.upstream):
             print(f"wrote {path}")
         return 0
-    changed = patches.export(dry_run=args.dry_run)
-    verb = "would change" if args.dry_run else "updated"
+    changed = patches.export(dry_run=args.dry_run, force=args.force)
     for path in changed:
+        verb = "would change" if args.dry_run else "updated" if path.exists() else "removed"
         print(f"{verb} {path}")
     if not changed:
         print("patches are up to date")

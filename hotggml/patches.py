@@ -30,7 +30,7 @@ import git
 
 from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
-from hotggml.series import SERIES_FILE, check_lf, series_entries, series_hash  # noqa: F401 (re-exported)
+from hotggml.series import SERIES_FILE, check_lf, read_utf8, series_entries, series_hash  # noqa: F401 (re-exported)
 
 SUFFIX = ".patch"
 WORK_BRANCH = "hotggml"
@@ -122,7 +122,7 @@ def parse_patch(path: Path | str) -> Patch:
         raise PatchError(f"{path}: listed in the series but there is no such {SUFFIX} file")
     check_lf(path)
     data = path.read_bytes()
-    text = data.decode("utf-8")
+    text = read_utf8(path)
     if not text.startswith("From "):
         raise PatchError(f"{path} is not `git format-patch` output: re-export it with `hotggml patches export`")
     subject, body = _split_message(text)
@@ -214,7 +214,7 @@ def apply_series(tree: Path | str, series: list[Patch]) -> list[tuple[str, str]]
 
 
 def _apply_one(repo: git.Repo, tree: Path, patch: Patch) -> str:
-    text = patch.path.read_text(encoding="utf-8")
+    text = read_utf8(patch.path)
     _check_targets_lf(tree, patch, text)
     before = gitutil.rev_parse(repo, "HEAD")
     try:
@@ -362,6 +362,11 @@ def _check_replaceable(dest: Path, patches_dir: Path | str | None, force: bool) 
         raise PatchError(f"work tree {dest} has uncommitted changes ({', '.join(dirty[:10])}): commit them "
                          f"with Patch-Name/Marker trailers and `hotggml patches export`, or apply --force "
                          f"to discard them")
+    kept = _work_outside_the_series(repo)
+    if kept:
+        raise PatchError(f"work tree {dest} holds {'; '.join(kept)}, which replacing the tree would delete: move "
+                         f"them out (`git stash pop`, push or rebase the branch onto {WORK_BRANCH}), or apply "
+                         f"--force to discard them")
     if gitutil.rev_parse(repo, "HEAD") == gitutil.config_get(repo, CONFIG_HEAD):
         return  # made by apply and untouched since: nothing of value to lose
     try:
@@ -373,6 +378,20 @@ def _check_replaceable(dest: Path, patches_dir: Path | str | None, force: bool) 
         names = ", ".join(path.name for path in unexported)
         raise PatchError(f"work tree {dest} has commits not exported to patches/ ({names} would change): "
                          f"run `hotggml patches export` first, or apply --force to discard them")
+
+
+def _work_outside_the_series(repo: git.Repo) -> list[str]:
+    """Stashes, and branches with commits that neither the series branch nor the pin holds."""
+    kept = []
+    stashes = gitutil.run(repo, "stash", "list").splitlines()
+    if stashes:
+        kept.append(f"{len(stashes)} stash entr{'y' if len(stashes) == 1 else 'ies'}")
+    others = [head.name for head in repo.heads if head.name not in (WORK_BRANCH, "pin")]
+    ahead = [name for name in others
+             if gitutil.run(repo, "rev-list", "-n", "1", name, "--not", WORK_BRANCH, pin.PIN_REF).strip()]
+    if ahead:
+        kept.append(f"branch{'es' if len(ahead) > 1 else ''} {', '.join(ahead)} with commits of {'their' if len(ahead) > 1 else 'its'} own")
+    return kept
 
 
 # -- reading a work tree ----------------------------------------------------------------
@@ -448,6 +467,11 @@ def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None =
     pin_sha = pin.verify(pin_path)
     with tempfile.TemporaryDirectory(prefix="hotggml-check-") as scratch:
         result = _build_tree(Path(scratch) / "ggml", series, shash, pin_path, pin_sha)
+        for patch in series:  # each was there after its own patch; a later one may have taken it out
+            lost = [marker for marker in patch.markers if not _marker_present(result.tree, marker)]
+            if lost:
+                raise PatchError(f"{patch.path.name}: marker {lost[0].text!r} in {lost[0].path} is gone from the "
+                                 f"fully patched tree: a later patch removed it (fix that patch or the Marker)")
         differs = export(patches_dir, dry_run=True, tree=result.tree)
     if differs:
         raise PatchError(f"export is not canonical: re-exporting the applied series changes "
@@ -467,7 +491,7 @@ def _check_unlisted(patches_dir: Path, series: list[Patch]) -> None:
 # -- exporting --------------------------------------------------------------------------
 
 def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
-           tree: Path | str | None = None) -> list[Path]:
+           tree: Path | str | None = None, force: bool = False) -> list[Path]:
     """Write one patch per commit above the pin in `tree` (default WORK_DIR/ggml) and the series.
 
     Files are named from each commit's Patch-Name trailer and produced with fixed
@@ -475,7 +499,9 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
     tree are deleted; the series keeps its leading comment block. Returns the files
     that changed (dry_run: that would change; CI treats a non-empty list as stale).
     Raises PatchError: no work tree, uncommitted changes, a commit without Patch-Name
-    or Markers, a merge, a duplicate name, or CR in a commit.
+    or Markers, a merge, a duplicate name, or CR in a commit; and, writing, a git operation in
+    progress, HEAD off the series branch, or (unless force) the checkout's patches/ changed since
+    the tree was made or last exported from it (its files would be overwritten or deleted).
     """
     out_dir = Path(out_dir or paths.PATCHES_DIR)
     tree = Path(tree) if tree else default_tree()
@@ -486,6 +512,8 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
     if dirty:
         raise PatchError(f"work tree {tree} has uncommitted changes ({', '.join(dirty[:10])}): commit them "
                          f"(with Patch-Name and Marker trailers) before exporting")
+    if not dry_run:
+        _check_exportable(repo, tree, out_dir, force)
     outputs = _render(repo, _series_commits(repo, strict=True))
     filenames = list(outputs)
     outputs[SERIES_FILE] = _series_text(out_dir / SERIES_FILE, filenames).encode()
@@ -495,6 +523,32 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
         _write_all(out_dir, outputs, changed, removed)
         _record_export(repo, out_dir)
     return changed + removed
+
+
+def _check_exportable(repo: git.Repo, tree: Path, out_dir: Path, force: bool) -> None:
+    git_dir = Path(repo.git_dir)
+    busy = [what for what, mark in (("a rebase", "rebase-merge"), ("a rebase or am", "rebase-apply"),
+                                    ("a cherry-pick", "CHERRY_PICK_HEAD"), ("a merge", "MERGE_HEAD"),
+                                    ("a revert", "REVERT_HEAD")) if (git_dir / mark).exists()]
+    if busy:
+        raise PatchError(f"{busy[0]} is in progress in {tree}: finish or abort it before exporting (the commits "
+                         f"above HEAD would be left out of {out_dir})")
+    if repo.head.is_detached or repo.active_branch.name != WORK_BRANCH:
+        where = "a detached HEAD" if repo.head.is_detached else f"branch {repo.active_branch.name}"
+        raise PatchError(f"{tree} is at {where}: export writes the series from branch {WORK_BRANCH} "
+                         f"(`git checkout {WORK_BRANCH}`)")
+    if force or out_dir.resolve() != paths.PATCHES_DIR.resolve():
+        return  # the recorded hash is of the checkout's patches/ (another folder is the caller's to fill)
+    recorded = gitutil.config_get(repo, CONFIG_SERIES)
+    try:
+        current = series_hash(out_dir)
+    except PatchError:
+        current = None
+    if recorded and current != recorded:
+        raise PatchError(f"{out_dir} changed since the work tree {tree} was made or exported from it: exporting "
+                         f"would overwrite or delete those changes. `hotggml patches apply` brings the tree up to "
+                         f"date (it refuses a tree with unexported commits); `export --force` writes the tree's "
+                         f"commits over {out_dir}")
 
 
 def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:

@@ -176,6 +176,13 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
     cache = Path(cache_dir) if cache_dir else paths.cache_dir()
     if dest.resolve() == paths.VENDOR_DIR.resolve():
         protect_gitlink()
+    if sdist is not None:  # named on purpose: checked even when the tree is the pin already (no silent "verified")
+        if not Path(sdist).is_file():
+            raise PinError(f"{sdist}: no such file (the sdist tarball {record['source']['file']})")
+        got = sha256_of(Path(sdist))
+        if got != record["source"]["sha256"]:
+            raise PinError(f"{sdist} is not the pin's sdist {record['source']['file']} (sha256 {got}, expected "
+                           f"{record['source']['sha256']})")
     existing = _existing_pin(dest, force, record)
     if existing:
         return FetchResult(dest, existing, "existing", changed=False)

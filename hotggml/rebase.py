@@ -246,7 +246,7 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
     vendor/ggml replaced by the new pin; the state goes, last. Every step can be redone: a _finish killed at any
     point is finished by --continue (or undone by --abort)."""
     gitutil.set_ref(repo, pin.PIN_REF, record["pin_commit"])
-    patches.export(tree=patches.default_tree())
+    patches.export(tree=patches.default_tree(), force=True)  # patches/ may already hold this export (--continue)
     series = patches.series_hash()
     gitutil.config_set(repo, {patches.CONFIG_SERIES: series, patches.CONFIG_PIN: record["pin_commit"],
                               patches.CONFIG_HEAD: gitutil.rev_parse(repo, "HEAD")})

@@ -28,6 +28,17 @@ def check_lf(path: Path | str) -> None:
                          f"convert it (e.g. `sed -i 's/\\r$//' {path}`) and check your editor/git autocrlf setting")
 
 
+def read_utf8(path: Path | str) -> str:
+    """The text of a series or patch file; PatchError (not a traceback) for bytes that are not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise PatchError(f"{path} is not UTF-8 (byte {data[exc.start]:#04x} at line {line}): patches and the "
+                         f"series are UTF-8 text; re-export the patch or fix the line") from None
+
+
 def series_entries(patches_dir: Path | str | None = None) -> list[str]:
     """Return the file names listed in <patches_dir>/series, in order.
 
@@ -38,7 +49,7 @@ def series_entries(patches_dir: Path | str | None = None) -> list[str]:
         raise PatchError(f"{series} does not exist: create it with one patch file name a line")
     check_lf(series)
     entries = []
-    for line in series.read_text(encoding="utf-8").splitlines():
+    for line in read_utf8(series).splitlines():
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue

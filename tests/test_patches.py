@@ -102,6 +102,70 @@ def test_apply_keeps_unexported_and_uncommitted_work(applied, pristine, series_d
     assert "wip.patch" in patches.series_entries(series_dir)
 
 
+def test_apply_keeps_stashes_and_branches_with_commits_of_their_own(applied, pristine, series_dir):
+    # the tree is replaced whole when the series changes: a stash or a side branch in it went without a word
+    repo = gitutil.open_repo(applied.tree)
+    alloc = applied.tree / "src" / "ggml-alloc.c"
+    series = series_dir / "series"
+    series.write_text("# a comment: the series changed\n" + series.read_text())
+    alloc.write_text(alloc.read_text() + "// wip\n")
+    gitutil.run(repo, "stash", config={"user.name": "u", "user.email": "u@invalid"})
+    with pytest.raises(PatchError, match="1 stash entry"):
+        patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    gitutil.run(repo, "stash", "drop")
+    gitutil.run(repo, "checkout", "-q", "-b", "experiment")
+    alloc.write_text(alloc.read_text() + "// experiment\n")
+    gitutil.commit_all(repo, "experiment", pin.PIN_IDENTITY)
+    gitutil.run(repo, "checkout", "-q", patches.WORK_BRANCH)
+    with pytest.raises(PatchError, match="branch experiment with commits of its own"):
+        patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine)
+    gitutil.run(repo, "branch", "-q", "-D", "experiment")
+    gitutil.run(repo, "branch", "-q", "merged", "HEAD~1")  # nothing of its own: no reason to refuse
+    assert not patches.apply(applied.tree, patches_dir=series_dir, pin_dir=pristine).already_applied
+
+
+def test_export_refuses_what_would_drop_or_overwrite_patches(applied, series_dir, monkeypatch):
+    repo = gitutil.open_repo(applied.tree)
+    before = {path.name: path.read_bytes() for path in series_dir.iterdir()}
+    gitutil.run(repo, "checkout", "-q", "--detach", "HEAD~3")  # the later patches would be dropped
+    with pytest.raises(PatchError, match="detached HEAD"):
+        patches.export(series_dir, tree=applied.tree)
+    assert {path.name: path.read_bytes() for path in series_dir.iterdir()} == before
+    gitutil.run(repo, "checkout", "-q", patches.WORK_BRANCH)
+    (Path(repo.git_dir) / "rebase-merge").mkdir()  # as `git rebase -i` stopped at an edit leaves it
+    with pytest.raises(PatchError, match="a rebase is in progress"):
+        patches.export(series_dir, tree=applied.tree)
+    (Path(repo.git_dir) / "rebase-merge").rmdir()
+    # the checkout's patches/ changed after the tree was made from it: a colleague's patch, listed
+    monkeypatch.setattr(paths, "PATCHES_DIR", series_dir)
+    (series_dir / "colleague.patch").write_bytes(before[FIRST])
+    (series_dir / "series").write_text((series_dir / "series").read_text() + "colleague.patch\n")
+    edited = {path.name: path.read_bytes() for path in series_dir.iterdir()}
+    with pytest.raises(PatchError, match="changed since the work tree"):
+        patches.export(series_dir, tree=applied.tree)
+    assert {path.name: path.read_bytes() for path in series_dir.iterdir()} == edited
+    assert series_dir / "colleague.patch" in patches.export(series_dir, tree=applied.tree, force=True)
+    assert not (series_dir / "colleague.patch").exists()  # --force: the tree's commits are the series
+
+
+def test_a_series_or_patch_that_is_not_utf8_is_named(series_dir):
+    (series_dir / "series").write_bytes(b"# caf\xe9\n" + (series_dir / "series").read_bytes())
+    with pytest.raises(PatchError, match="series is not UTF-8 \\(byte 0xe9 at line 1\\)"):
+        patches.load_series(series_dir)
+
+
+def test_check_finds_a_marker_a_later_patch_removed(applied, pristine, series_dir):
+    first = patches.load_series(series_dir)[0]
+    marker = first.markers[0]
+    path = applied.tree / marker.path
+    path.write_text(path.read_text().replace(marker.text, "removed later") + "// zap\n")
+    message = f"zap\n\nPatch-Name: zap\nUpstream-Status: fork-only\nMarker: {marker.path}: // zap\n"
+    gitutil.commit_all(gitutil.open_repo(applied.tree), message, pin.PIN_IDENTITY)
+    patches.export(series_dir, tree=applied.tree)
+    with pytest.raises(PatchError, match=f"{first.path.name}: marker .* is gone from the fully patched tree"):
+        patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
 def test_check_passes_on_the_real_series(pristine, series_dir):
     result = patches.check(patches_dir=series_dir, pin_dir=pristine)
     assert len(result.commits) == len(patches.series_entries(series_dir))
