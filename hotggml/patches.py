@@ -570,7 +570,7 @@ def _series_text(series_path: Path, filenames: list[str]) -> str:
     # Keep the leading comment block (explanations of the series); entries are canonical.
     header = []
     if series_path.is_file():
-        for line in series_path.read_text(encoding="utf-8").splitlines():
+        for line in read_utf8(series_path).splitlines():
             if line.strip() and not line.lstrip().startswith("#"):
                 break
             header.append(line)
@@ -620,7 +620,7 @@ def export_upstream(out_dir: Path | str, patches_dir: Path | str | None = None) 
     written = []
     for patch in (p for p in load_series(patches_dir) if p.upstream == "submit"):
         path = out_dir / f"{len(written) + 1:04d}-{patch.name}{SUFFIX}"
-        path.write_bytes(strip_trailers(patch.path.read_text(encoding="utf-8")).encode("utf-8"))
+        path.write_bytes(strip_trailers(read_utf8(patch.path)).encode("utf-8"))
         written.append(path)
     return written
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     """
     if in_progress():
         raise PinError("a `hotggml pin set` is in progress: finish it with --continue or undo it with --abort")
+    if upstream is not None and not re.fullmatch(r"[0-9a-f]{40}", upstream):  # stored in the record and the gitlink
+        raise PinError(f"--upstream-commit must be a full 40-hex-digit commit id, got {upstream!r}")
     tree = patches.default_tree()
     repo = _clean_work_repo(tree)
     old_pin = pin.pin_ref(repo)

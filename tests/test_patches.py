@@ -152,6 +152,8 @@ def test_a_series_or_patch_that_is_not_utf8_is_named(series_dir):
     (series_dir / "series").write_bytes(b"# caf\xe9\n" + (series_dir / "series").read_bytes())
     with pytest.raises(PatchError, match="series is not UTF-8 \\(byte 0xe9 at line 1\\)"):
         patches.load_series(series_dir)
+    with pytest.raises(PatchError, match="series is not UTF-8"):  # export keeps the series' comment block
+        patches._series_text(series_dir / "series", [])
 
 
 def test_check_finds_a_marker_a_later_patch_removed(applied, pristine, series_dir):

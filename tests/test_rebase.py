@@ -172,4 +172,8 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
         assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("hotggml: error:"), run.stderr[-2000:]
         assert f"{source} is not a readable tarball: {why}" in lines[0]
         assert _snapshot(repo, tmp_path / "state") == before
+    # a bad --upstream-commit was stored, rebased on, and left a --continue that could never succeed
+    run = _hotggml(repo, env, "pin", "set", str(sdist), "--upstream-commit", "notasha")
+    assert run.returncode == 2 and "must be a full 40-hex-digit commit id, got 'notasha'" in run.stderr, run.stderr[-2000:]
+    assert _snapshot(repo, tmp_path / "state") == before and not (tmp_path / "state" / "pin-set").exists()
 
