@@ -889,4 +889,5 @@ def _run_pin_set(args: argparse.Namespace) -> int:
 
 
 # what a pin set in progress holds half-moved: these refuse, naming it, until --continue or --abort
-_DISTURB_A_PIN_SET = (_run_fetch, _run_apply, _run_export, _run_check, _run_prepare, _run_build, _run_floor)
+_DISTURB_A_PIN_SET = (_run_fetch, _run_apply, _run_export, _run_check, _run_prepare, _run_build, _run_floor,
+                      _run_status)  # status: the work repo is mid-rebase onto the new pin (its commits look foreign)

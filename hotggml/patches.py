@@ -250,7 +250,7 @@ def _does_not_apply(patch: Patch, exc: git.exc.GitCommandError) -> PatchError:
             if match and match.group(1) not in files:
                 files.append(match.group(1))
     where = f" to {', '.join(files)}" if files else ""
-    detail = "; ".join(lines[:4]) or stderr.strip()[-400:]
+    detail = "; ".join(lines[:4]) or stderr.strip()[-400:] or "it changes no file: a message without a diff?"
     return PatchError(f"{patch.path.name} does not apply{where} ({detail}): rebuild it on the pin in the "
                       f"work tree (`hotggml patches apply`, fix, commit) and `hotggml patches export`")
 
@@ -467,6 +467,11 @@ def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None =
     pin_sha = pin.verify(pin_path)
     with tempfile.TemporaryDirectory(prefix="hotggml-check-") as scratch:
         result = _build_tree(Path(scratch) / "ggml", series, shash, pin_path, pin_sha)
+        for patch in series:  # a marker the pristine pin holds already proves nothing about its patch
+            found = [marker for marker in patch.markers if _marker_present(pin_path, marker)]
+            if found:
+                raise PatchError(f"{patch.path.name}: marker {found[0].text!r} is in {found[0].path} of the pristine "
+                                 f"pin already: it cannot tell the patch is applied (pick a string the patch adds)")
         for patch in series:  # each was there after its own patch; a later one may have taken it out
             lost = [marker for marker in patch.markers if not _marker_present(result.tree, marker)]
             if lost:

@@ -36,6 +36,9 @@ def require_checkout(command: str) -> None:
     if not is_checkout():
         from hotggml.errors import CheckoutError
 
+        if (REPO_ROOT / ".git").exists() and (REPO_ROOT / "pyproject.toml").is_file():  # a clone that lost the file
+            raise CheckoutError(f"`hotggml {command}` needs {REPO_ROOT / 'patches' / 'series'}, which this checkout "
+                                f"lacks: restore it (`git checkout -- patches/series`)")
         raise CheckoutError(f"`hotggml {command}` works on a hotggml checkout (patches/series, vendor/ggml); "
                             f"this is an installed package at {REPO_ROOT}: run it in a clone of the repository")
 

@@ -168,6 +168,15 @@ def test_check_finds_a_marker_a_later_patch_removed(applied, pristine, series_di
         patches.check(patches_dir=series_dir, pin_dir=pristine)
 
 
+def test_check_refuses_a_marker_the_pristine_pin_holds(pristine, series_dir):
+    path = series_dir / FIRST
+    text = path.read_text()
+    marker = next(line for line in text.splitlines() if line.startswith("Marker: "))
+    path.write_text(text.replace(marker, "Marker: CMakeLists.txt: project(", 1))  # upstream's own line
+    with pytest.raises(PatchError, match=f"{FIRST}: marker 'project\\(' is in CMakeLists.txt of the pristine pin"):
+        patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
 def test_check_passes_on_the_real_series(pristine, series_dir):
     result = patches.check(patches_dir=series_dir, pin_dir=pristine)
     assert len(result.commits) == len(patches.series_entries(series_dir))
