@@ -629,7 +629,8 @@ class Graph:
             raise InputError(f"cache {name or ''}: every axis needs at least one element, got shape {array.shape}")
         kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
         if type_name == "f32":  # a float64 beyond float32's range is refused, not made inf
-            kvcache.check_held(array, kvcache.encode(array, "f32"), "f32", f"cache {name or ''}")
+            if not self.reserve_only:
+                kvcache.check_held(array, kvcache.encode(array, "f32"), "f32", f"cache {name or ''}")
             return self.input(array.astype(np.float32), name)
         if self.ctx is None:
             raise UsageError("this Graph is closed")
@@ -940,9 +941,11 @@ class Graph:
         loss = None
         for t, w in outputs:
             w = np.asarray(w)
-            if w.dtype.kind not in "fiu" or not np.isfinite(w).all() or (np.abs(w) > np.finfo(np.float32).max).any():
+            # the distinct values only (a broadcast weight, as `memory` passes for a million queries, stays a view)
+            core = w[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in w.strides)]
+            if w.dtype.kind not in "fiu" or (core.size and not np.abs(core.astype(np.float64)).max() <= np.finfo(np.float32).max):
                 raise InputError("loss weights must be real values finite as float32")
-            w = w.astype(np.float32)
+            w = np.asarray(w, dtype=np.float32)
             if ggml_shape(w.shape) != t.ne:
                 raise InputError(f"loss weight shape {w.shape} does not match tensor {t.ne}")
             term = self.sum(self.mul(self.cont(t) if not t.is_contiguous() else t, self.input(w, "loss weight")))
