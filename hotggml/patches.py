@@ -563,6 +563,11 @@ def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:
         if filename in outputs:
             raise PatchError(f"two commits in {repo.working_tree_dir} are named {name!r}: "
                              f"give each a unique Patch-Name")
+        if not gitutil.changed_files(repo, sha):  # format-patch writes nothing for it: a 0-byte file apply refuses
+            raise PatchError(f"commit {sha[:12]} ({filename}) changes no file: drop it or give it its change")
+        if any(line.strip() == "---" for line in gitutil.commit_message(repo, sha).split("\n")):
+            raise PatchError(f"commit {sha[:12]} ({filename}) has a `---` line in its message: format-patch output "
+                             f"ends the message there, so its trailers would be lost; reword that line")
         data = gitutil.format_patch(repo, sha)
         if b"\r" in data:
             raise PatchError(f"commit {sha[:12]} ({filename}) contains CR characters: convert the files "

@@ -102,6 +102,21 @@ def test_apply_keeps_unexported_and_uncommitted_work(applied, pristine, series_d
     assert "wip.patch" in patches.series_entries(series_dir)
 
 
+def test_export_refuses_commits_the_series_could_not_take_back(applied, series_dir):
+    repo = gitutil.open_repo(applied.tree)
+    trailers = "Patch-Name: odd\nUpstream-Status: fork-only\nMarker: src/ggml-alloc.c: // odd\n"
+    gitutil.run(repo, "commit", "-q", "--allow-empty", "-m", "empty\n\n" + trailers,
+                config={"user.name": "u", "user.email": "u@invalid"})
+    with pytest.raises(PatchError, match="changes no file"):
+        patches.export(series_dir, dry_run=True, tree=applied.tree)
+    gitutil.run(repo, "reset", "-q", "--hard", "HEAD~1")
+    alloc = applied.tree / "src" / "ggml-alloc.c"
+    alloc.write_text(alloc.read_text() + "// odd\n")
+    gitutil.commit_all(repo, "odd\n\nwhy\n---\nmore\n\n" + trailers, pin.PIN_IDENTITY)
+    with pytest.raises(PatchError, match="`---` line in its message"):
+        patches.export(series_dir, dry_run=True, tree=applied.tree)
+
+
 def test_apply_keeps_stashes_and_branches_with_commits_of_their_own(applied, pristine, series_dir):
     # the tree is replaced whole when the series changes: a stash or a side branch in it went without a word
     repo = gitutil.open_repo(applied.tree)
