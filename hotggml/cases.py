@@ -232,6 +232,9 @@ SMOKE = [
     Case("no-mask-gqa", B=2, Nh=6, Nkv=3, D=24, S=31, Skv=47),
     # head dims that are not multiples of the CPU kernels' 32-column register blocks (SIMD + remainder)
     Case("dv-ne-d-remainders", B=1, Nh=4, Nkv=2, D=48, Dv=80, S=45, Skv=77, mask="causal"),
+    # odd Dv > D with a GQA group: CUDA sums dK/dV in parts B Nkv Skv max(D, Dv) floats apart (an odd count here),
+    # whose rows its vector stores need aligned
+    Case("dv-odd-gqa-parts", Nh=2, Nkv=1, D=4, Dv=5, S=9, Skv=33),
     # numerical rules (SPEC §4): garbage (NaN) K/V at masked keys never reaches a result, whatever the
     # tile alignment (key 40 alone inside a 32-key tile; padding slots of a batch); dS cancels exactly
     # on saturated (one-hot) rows and no worse than the exact chain with near-constant V

@@ -333,7 +333,7 @@ int main(int argc, char ** argv) {
     };
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     const int split = fa_dkv_split(p, rows, nsm);
-    const size_t stride = std::max(nK, nV);
+    const size_t stride = (std::max(nK, nV) + 3)/4*4; // as the backend: parts in whole 16-byte units
     float * scratch; CK(cudaMalloc(&scratch, 2*(size_t) split*stride*sizeof(float)));
     // the register backward as the backend launches it (one grid, dK/dV split as the backend does it, the parts
     // summed), or one kind of its blocks alone: want 1 = dQ, 2 = dK/dV, 3 = both
