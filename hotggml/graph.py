@@ -593,7 +593,7 @@ class Graph:
         if name is not None and not isinstance(name, str):
             raise InputTypeError(f"input name must be a str, got {type(name).__name__}")
         array = np.asarray(array)
-        dtype = np.dtype(dtype or array.dtype)
+        dtype = np.dtype(dtype or array.dtype).newbyteorder("=")  # a byte-swapped float32 is float32: converted
         if dtype not in _GGML_TYPES:
             raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32, float16 or int32")
         if self.gf is not None:
@@ -663,7 +663,7 @@ class Graph:
 
     def param(self, array: np.ndarray, name: str | None = None) -> Tensor:
         """An f32 input that gets a gradient (ggml_set_param)."""
-        t = self.input(np.asarray(array, dtype=np.float32), name)
+        t = self.input(array, name, dtype=np.float32)  # input() checks the values, then converts (never the reverse)
         self.lib.ggml_set_param(t.ptr)
         return t
 
@@ -1120,6 +1120,7 @@ class Graph:
         """Place and split the built graph without allocating (placement() then answers): a probe."""
         self._need_graph()
         sched = self._need_sched()
+        self.backend.need_open()  # the scheduler holds the Backend's C object: freed once it is closed
         self._check_supported()
         with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
             sched.split(self.gf)
@@ -1131,6 +1132,7 @@ class Graph:
         Valid after ``plan()`` or ``compute()``; raises RuntimeError before either.
         """
         sched = self._need_sched()
+        self.backend.need_open()  # device_of asks the Backend's freed C object once it is closed
         if not self._placed:
             raise UsageError("call plan() or compute() before placement()")
         return [(t, sched.device_of(t.ptr) or "unplaced") for t in self.nodes()]
@@ -1165,8 +1167,8 @@ class Graph:
     def compute(self, poison: list[Tensor] = ()) -> float:
         """Allocate, upload inputs, seed dL/dL = 1, compute (on the backend, or through the scheduler).
 
-        ``poison``: tensors filled with NaN (0xFF bytes) before compute, so that anything the
-        kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
+        ``poison``: computed tensors (not inputs or params: their values are the caller's) filled with NaN
+        (0xFF bytes) before compute, so that anything the kernel leaves unwritten shows up. Unscheduled, raises BackendError if a node is not
         supported by the backend (ggml would otherwise abort). On an RPC backend, raises ConnectionLostError
         when the server did not compute the graph (killed, network lost: ggml-rpc reports it, patch
         rpc-lost-server). Returns the seconds the compute took.
@@ -1220,7 +1222,11 @@ class Graph:
         self._allocate()
         self._computed = False
         for t in poison:
-            if (t.ptr.view_src if t.ptr.view_src != ffi.NULL else t.ptr).buffer == ffi.NULL:
+            root = t.ptr.view_src if t.ptr.view_src != ffi.NULL else t.ptr
+            if int(root.flags) & (FLAG_INPUT | FLAG_PARAM):  # uploaded once at build: the NaN would stay for good
+                raise InputError(f"cannot poison {t.op_name} {t.ne}: it is (a view of) an input or parameter, whose "
+                                 "values are the caller's; poison takes nodes the graph computes")
+            if root.buffer == ffi.NULL or t.ptr.data == ffi.NULL:
                 raise InputError(f"cannot poison {t.op_name} {t.ne}: it is not in the built graph (no memory)")
         for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
             n = self.lib.ggml_nbytes(t.ptr)
@@ -1261,7 +1267,10 @@ class Graph:
         itemsize = np.dtype(t.dtype).itemsize
         span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))
         raw = np.empty(span, dtype=np.uint8)
-        self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(raw), 0, span)
+        # a view the allocator never placed (made outside the built graph) has no data of its own: ggml aborts on
+        # it; its bytes are its source's at view_offs
+        src, offs = (t.ptr, 0) if t.ptr.data != ffi.NULL else (t.ptr.view_src, int(t.ptr.view_offs))
+        self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, span)
         view = np.lib.stride_tricks.as_strided(raw.view(t.dtype) if span % itemsize == 0 else raw[: span - span % itemsize].view(t.dtype),
                                                shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
         return np.array(view, copy=True)

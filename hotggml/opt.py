@@ -228,6 +228,9 @@ class Optimizer:
         lib = graph.lib
         if not any(_same(inputs.ptr, t.ptr) for t in graph._leaves) or int(inputs.ptr.flags) & FLAG_PARAM:
             raise InputError("inputs must be an input() leaf of the graph (not a param, not a computed node)")
+        if inputs.type_name not in ("f32", "f16", "i32"):  # step() writes NumPy values as they are: no cache types
+            raise InputTypeError(f"inputs must be an f32, f16 or i32 input() leaf (step() writes NumPy arrays into "
+                                 f"it), got a {inputs.type_name} cache")
         if int(outputs.ptr.op) == 0:
             raise InputError("outputs must be a computed node of the graph, not a leaf")
         if outputs.dtype != np.float32:

@@ -752,3 +752,30 @@ def test_interrupts_deferred_delivers_sigint_when_the_block_ends():
                 pass
             reached_end = True
     assert reached_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_view_made_outside_the_built_graph_reads_through_its_source(cpu):
+    """get_lse of a forward whose O alone was built, and a permute made after build(): ggml never placed these
+    views (their data pointer is NULL, ggml aborts on it); read() takes their bytes from the source."""
+    q, k, v = _inputs(S=3, Skv=5, D=4, Dv=4)
+    with Graph(cpu) as g:
+        qt, kt, vt = g.param(q), g.input(k), g.input(v)
+        fwd = ops.flash_attn_train(g, qt, kt, vt, None, 0.5)
+        g.build([fwd], g.sum(ops.get_o(fwd)))
+        lse, qv = ops.get_lse(fwd), g.permute(qt, 1, 0, 2, 3)
+        g.compute()
+        _, ref_lse = oracle.attention_forward(q, k, v, None, 0.5)
+        assert np.abs(ref_lse).max() > 0.1  # not vacuous
+        want = np.transpose(ref_lse, (0, 2, 1))  # ggml [Nh, S, B]: NumPy (1, B, S, Nh)
+        assert rel_err(g.read(lse).reshape(want.shape), want) < BAR
+        assert np.array_equal(g.read(qv), np.swapaxes(q, 2, 3))
+
+
+def test_byte_swapped_float32_is_float32(cpu):
+    x = np.arange(6, dtype=">f4").reshape(2, 3)
+    with Graph(cpu) as g:
+        t, p = g.input(x), g.param(x)
+        y = g.add(t, p)
+        g.build([y])
+        g.compute()
+        assert np.array_equal(g.read(y).reshape(x.shape), 2 * x.astype(np.float32))

@@ -210,6 +210,34 @@ CASES = {
         expect(ValueError, "positive int dims", lambda: g.new_tensor((4, 0)))
         expect(ValueError, "positive int dims", lambda: g.new_tensor((4.5,)))
     """,
+    "plan and placement after the Backend closed (the scheduler held its freed C object: SIGSEGV)": """
+        b2 = Backend("CPU"); g = Graph(b2, scheduled=True); x = g.param(np.ones(4, np.float32)); y = g.sum(x)
+        g.build([y], y); g.compute(); b2.close()
+        expect(RuntimeError, "is closed", g.plan)
+        expect(RuntimeError, "is closed", g.placement)
+    """,
+    "poison of a leaf or of a view outside the built graph (ggml-backend.cpp: tensor not allocated)": """
+        g = Graph(be); x = g.param(np.ones((2, 3), np.float32)); y = g.sum(x); g.build([y], y)
+        xv = g.permute(x, 1, 0, 2, 3)
+        expect(ValueError, "input or parameter", lambda: g.compute(poison=[x]))
+        expect(ValueError, "input or parameter", lambda: g.compute(poison=[xv]))
+        s = g.sum(g.mul(x, x))  # made after build(): never placed
+        expect(ValueError, "not in the built graph", lambda: g.compute(poison=[s]))
+        g.compute(); assert (g.read(x) == 1.0).all()  # x still holds the caller's values
+    """,
+    "param refuses what input refuses, before converting": """
+        g = Graph(be)
+        expect(ValueError, "would become inf", lambda: g.param(np.array([1e39, 1.0])))
+        expect(TypeError, "cannot take object", lambda: g.param(None))
+        expect(TypeError, "cannot take complex", lambda: g.param(np.array([1 + 2j])))
+        expect(TypeError, "cannot take <U3", lambda: g.param(np.array(["1.5"])))
+    """,
+    "a cache leaf as an Optimizer's inputs (every step raised)": """
+        from hotggml.opt import Optimizer
+        g = Graph(be); kc = g.cache(np.ones((4, 32), np.float32), "q8_0"); w = g.param(np.ones((4, 32), np.float32))
+        o = g.mul(w, w)  # refused for the inputs' type first, whatever the outputs
+        expect(TypeError, "q8_0 cache", lambda: Optimizer(g, kc, o, "sum"))
+    """,
 }
 
 
