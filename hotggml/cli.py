@@ -371,6 +371,9 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_build(args: argparse.Namespace) -> int:
     from hotggml import build
 
+    if args.cuda_arch is not None and args.backend != "cuda":  # a CPU or Vulkan build would ignore it
+        print(f"hotggml: error: --cuda-arch is for --backend cuda, not {args.backend}", file=sys.stderr)
+        return 2
     extra = {}
     for item in args.define:
         key, sep, value = item.partition("=")
@@ -639,10 +642,10 @@ def _run_memory(args: argparse.Namespace) -> int:
     from hotggml import bench, cases
 
     base = bench.DIT_FULL
-    if args.case:
+    if args.case is not None:  # '' is an unknown case, not the default
         found = [c for c in cases.FIELD + cases.REAL + cases.SMOKE if c.id == args.case]
         if not found:
-            known = ", ".join(c.id for c in cases.FIELD + cases.REAL + cases.SMOKE)
+            known = ", ".join(dict.fromkeys(c.id for c in cases.FIELD + cases.REAL + cases.SMOKE))
             print(f"hotggml: error: unknown case {args.case!r} (known: {known})", file=sys.stderr)
             return 2
         base = found[0]
@@ -658,7 +661,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `bench [--backend NAME] [--case ID | --set field [-p REGEX]] [--runs N] [--json PATH] [--profile]`."""
     parser = subparsers.add_parser("bench", help="paired interleaved fwd+bwd timing, fused vs exact chain")
     parser.add_argument("-b", "--backend", default="cpu", help="cpu | cuda | vulkan, or a registry device name (CUDA0)")
-    parser.add_argument("--case", default="dit-self-full-1250", help="a case id from the smoke/real sets")
+    parser.add_argument("--case", default=None, help="a case id from the smoke/real/field sets (default: dit-self-full-1250)")
     parser.add_argument("--set", dest="sets", action="append", choices=("smoke", "real", "field"),
                         help="the table over a case set: TF32 and f32 fused vs chain, TFLOP/s, arenas")
     parser.add_argument("-p", dest="pattern", default=None, type=_regex, help="regex on case ids (with --set)")
@@ -679,8 +682,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from hotggml import bench, cases
 
+    if args.sets and args.case is not None:  # the table would time the set and ignore the case
+        print("hotggml: error: --case times one case, --set a table over sets (-p selects in them): not both",
+              file=sys.stderr)
+        return 2
     if args.sets:
         return _run_bench_table(args)
+    args.case = "dit-self-full-1250" if args.case is None else args.case
     table_only = [flag for flag, given in (("--json", args.json), ("--profile", args.profile), ("--no-chain", args.no_chain),
                   ("--no-f32", args.no_f32), ("-p", args.pattern), ("--smem-caps", args.smem_caps)) if given]
     if table_only:  # they shape the table; the one case's paired timing would silently ignore them

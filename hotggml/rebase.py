@@ -87,10 +87,22 @@ def _record_for_tarball(tarball: Path, tag: str | None, upstream: str | None) ->
     """The new pin's record, and a repository holding its commit (made exactly as fetch will make it)."""
     prefix = _tree_prefix(tarball)
     scratch = Path(tempfile.mkdtemp(prefix="hotggml-new-pin-"))
+    try:
+        return _record_in(scratch, tarball, prefix, tag, upstream), scratch
+    except BaseException:  # a bad tree, a failed git or Ctrl-C: the scratch copy (tens of MB) goes with it
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def _record_in(scratch: Path, tarball: Path, prefix: str, tag: str | None, upstream: str | None) -> dict:
+    """_record_for_tarball's record, the tree extracted and committed in scratch."""
     pin.extract_vendor_tree(tarball, scratch, prefix)
     repo = gitutil.init_repo(scratch, initial_branch=pin.PIN_BRANCH)
     gitutil.run(repo, "add", "-A")
     root_tree = gitutil.run(repo, "write-tree")
+    missing = [name for name in pin_record.TREE_NAMES if not (scratch / name).exists()]
+    if missing:  # as a commit source lacking them is told (git's rev-parse error named no cause)
+        raise PinError(f"{tarball} lacks {', '.join(missing)}: not a ggml tree")
     trees = {name: gitutil.run(repo, "rev-parse", f"{root_tree}:{name}") for name in pin_record.TREE_NAMES}
     record = {
         "tag": tag or Path(tarball).name.removesuffix(".tar.gz").removesuffix(".tgz"),
@@ -102,7 +114,7 @@ def _record_for_tarball(tarball: Path, tag: str | None, upstream: str | None) ->
     }
     record["pin_commit"] = gitutil.commit_all(repo, pin_record.pin_message(record), pin.PIN_IDENTITY)
     repo.close()
-    return record, scratch
+    return record
 
 
 def _record_for_commit(commit: str, tag: str | None) -> tuple[dict, Path]:
@@ -145,12 +157,19 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     is_tarball = Path(source).is_file()
     record, origin = (_record_for_tarball(Path(source), tag, upstream) if is_tarball
                       else _record_for_commit(source, tag))
+    try:
+        return _start_from(repo, old_pin, source, record, origin, is_tarball)
+    finally:  # the tarball's scratch repository, whatever happened (its commit is fetched by then, or not needed)
+        if is_tarball:
+            shutil.rmtree(origin, ignore_errors=True)
+
+
+def _start_from(repo, old_pin, source: str, record: dict, origin: Path, is_tarball: bool) -> Outcome:
+    """start() once the new pin's record and a repository holding its commit exist."""
     current = pin_record.read()
     # the same tree, or (a commit source) upstream's own commit of the current pin, whose tree is the pin's
     same_commit = not is_tarball and record["upstream_commit"] == current["upstream_commit"]
     if record["tree"] == current["tree"] or same_commit:
-        if is_tarball:
-            shutil.rmtree(origin, ignore_errors=True)
         return Outcome("same", current)  # never a record of the same tree under an invented identity
     state = state_dir()
     if state.exists():
@@ -165,8 +184,6 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     want = f"refs/heads/{pin.PIN_BRANCH}" if is_tarball else record["pin_commit"]
     gitutil.run(repo, "fetch", "--quiet", "--no-tags", str(origin), f"+{want}:{NEW_PIN_REF}",
                 config={"uploadpack.allowAnySHA1InWant": "true"})
-    if is_tarball:
-        shutil.rmtree(origin, ignore_errors=True)
     vendor = gitutil.open_repo(paths.VENDOR_DIR)
     _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD"),
                   "old_config": {key: gitutil.config_get(repo, key)

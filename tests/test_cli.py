@@ -123,6 +123,18 @@ def test_bench_table_options_without_a_set_are_refused_not_ignored(flag, tmp_pat
 
 
 @pytest.mark.parametrize("args, message", [
+    (["bench", "--set", "smoke", "--case", "tiny", "-l"], "--case times one case, --set a table"),
+    (["memory", "--case", "", "--no-chain"], "unknown case ''"),
+    (["build", "--cuda-arch", "90"], "--cuda-arch is for --backend cuda, not cpu"),
+])
+def test_arguments_a_command_would_ignore_are_refused(args, message):
+    # each ran something else and exited 0: the --set table without the case, the default case, a CPU build
+    run = _hotggml(*args)
+    assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
+    assert message in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
     (["parity", "--threads", "1,513"], "argument --threads: threads must be in [1, 512], got 513"),
     (["parity", "--threads", "0"], "argument --threads: threads must be in [1, 512], got 0"),
     (["parity", "--threads", "1,,2"], "argument --threads: threads must be a comma list of integers, got '1,,2'"),

@@ -52,12 +52,15 @@ def _hotggml(repo: Path, env: dict, *args: str, check: bool = False) -> subproce
     return run
 
 
-def _new_pin_tarball(repo: Path, out: Path, edit) -> Path:
-    """A ggml source tarball (one top folder) of the clone's pinned tree with `edit` applied to ggml-alloc.c."""
+def _new_pin_tarball(repo: Path, out: Path, edit, drop: str = "") -> Path:
+    """A ggml source tarball (one top folder) of the clone's pinned tree with `edit` applied to ggml-alloc.c
+    (and the files under `drop`, a folder, left out)."""
     vendor = repo / "vendor" / "ggml"
     files = subprocess.run(["git", "-C", str(vendor), "ls-files", "-z"], capture_output=True, check=True).stdout
     with tarfile.open(out, "w:gz") as archive:
         for rel in filter(None, files.decode().split("\0")):
+            if drop and rel.startswith(drop):
+                continue
             data = (vendor / rel).read_bytes()
             if rel == "src/ggml-alloc.c":
                 data = edit(data.decode()).encode()
@@ -176,4 +179,14 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
     run = _hotggml(repo, env, "pin", "set", str(sdist), "--upstream-commit", "notasha")
     assert run.returncode == 2 and "must be a full 40-hex-digit commit id, got 'notasha'" in run.stderr, run.stderr[-2000:]
     assert _snapshot(repo, tmp_path / "state") == before and not (tmp_path / "state" / "pin-set").exists()
+    # a tree without include/ is named (git's raw rev-parse error was), and no run leaves its scratch copy of the
+    # tree (tens of MB) in the temporary folder: failed, refused or a no-op
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env_tmp = {**env, "TMPDIR": str(scratch)}
+    bad = _new_pin_tarball(repo, tmp_path / "no-include.tar.gz", lambda text: text, drop="include/")
+    run = _hotggml(repo, env_tmp, "pin", "set", str(bad))
+    assert run.returncode == 2 and "lacks include: not a ggml tree" in run.stderr, run.stderr[-2000:]
+    _hotggml(repo, env_tmp, "pin", "set", str(sdist), check=True)
+    assert not list(scratch.glob("hotggml-new-pin-*")) and _snapshot(repo, tmp_path / "state") == before
 
