@@ -158,14 +158,25 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     record, origin = (_record_for_tarball(Path(source), tag, upstream) if is_tarball
                       else _record_for_commit(source, tag))
     try:
-        return _start_from(repo, old_pin, source, record, origin, is_tarball)
+        same = _stage_new_pin(repo, source, record, origin, is_tarball)
     finally:  # the tarball's scratch repository, whatever happened (its commit is fetched by then, or not needed)
         if is_tarball:
             shutil.rmtree(origin, ignore_errors=True)
+    if same is not None:
+        return same
+    vendor = gitutil.open_repo(paths.VENDOR_DIR)
+    _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD"),
+                  "old_config": {key: gitutil.config_get(repo, key)
+                                 for key in (patches.CONFIG_SERIES, patches.CONFIG_PIN, patches.CONFIG_HEAD)},
+                  "old_record": pin_record.RECORD_FILE.read_text(), "old_gitlink": pin.gitlink(),
+                  "old_vendor_head": gitutil.rev_parse(vendor, "HEAD") if vendor is not None else None})
+    return _rebase(repo, ["rebase", "--committer-date-is-author-date", "--onto", NEW_PIN_REF, old_pin,
+                          patches.WORK_BRANCH], record)
 
 
-def _start_from(repo, old_pin, source: str, record: dict, origin: Path, is_tarball: bool) -> Outcome:
-    """start() once the new pin's record and a repository holding its commit exist."""
+def _stage_new_pin(repo, source: str, record: dict, origin: Path, is_tarball: bool) -> Outcome | None:
+    """Outcome 'same' for the current pin's tree; else the state folder made and the new pin's commit fetched
+    into the work repo (NEW_PIN_REF) from origin: None."""
     current = pin_record.read()
     # the same tree, or (a commit source) upstream's own commit of the current pin, whose tree is the pin's
     same_commit = not is_tarball and record["upstream_commit"] == current["upstream_commit"]
@@ -184,14 +195,7 @@ def _start_from(repo, old_pin, source: str, record: dict, origin: Path, is_tarba
     want = f"refs/heads/{pin.PIN_BRANCH}" if is_tarball else record["pin_commit"]
     gitutil.run(repo, "fetch", "--quiet", "--no-tags", str(origin), f"+{want}:{NEW_PIN_REF}",
                 config={"uploadpack.allowAnySHA1InWant": "true"})
-    vendor = gitutil.open_repo(paths.VENDOR_DIR)
-    _write_state({"record": record, "old_pin": old_pin, "old_head": gitutil.rev_parse(repo, "HEAD"),
-                  "old_config": {key: gitutil.config_get(repo, key)
-                                 for key in (patches.CONFIG_SERIES, patches.CONFIG_PIN, patches.CONFIG_HEAD)},
-                  "old_record": pin_record.RECORD_FILE.read_text(), "old_gitlink": pin.gitlink(),
-                  "old_vendor_head": gitutil.rev_parse(vendor, "HEAD") if vendor is not None else None})
-    return _rebase(repo, ["rebase", "--committer-date-is-author-date", "--onto", NEW_PIN_REF, old_pin,
-                          patches.WORK_BRANCH], record)
+    return None
 
 
 def resume() -> Outcome:
