@@ -141,6 +141,7 @@ def _end_stale_group(bdir: Path) -> None:
             if time.monotonic() > deadline:
                 raise BuildError(f"processes of an interrupted build (group {pgid}) in {bdir} did not end")
             time.sleep(0.05)
+        procs.end(procs.working_in(bdir))  # the compilers ninja started in groups of their own
     record.unlink(missing_ok=True)
 
 
@@ -155,6 +156,24 @@ def _progress(line: str) -> str | None:
     if m := _MAKE_STEP.match(line):
         return f"{m.group(1)}%"
     return None
+
+
+def _stop(proc: subprocess.Popen, bdir: Path | None) -> None:
+    """End an interrupted CMake run and what it started. SIGTERM first: ninja then ends its compilers, which it
+    starts in process groups of their own (a SIGKILL of its group alone left them compiling into the folder);
+    then SIGKILL to the group, and to any process still working in bdir."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    if bdir is not None:
+        procs.end(procs.working_in(bdir))
 
 
 def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmake") -> None:
@@ -182,9 +201,8 @@ def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmak
                     print(f"hotggml: {stage} {step}", file=sys.stderr, flush=True)
                     last = time.monotonic()
             proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)  # Ctrl-C: its own session does not get the terminal's SIGINT
-            proc.wait()
+        except BaseException:  # Ctrl-C: its own session does not get the terminal's SIGINT
+            _stop(proc, bdir)
             raise
         finally:
             if bdir is not None and proc.returncode is not None:

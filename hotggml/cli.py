@@ -130,7 +130,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         raise  # main's: stdout closed by its reader
     except OSError as exc:  # a file the command reads or writes (a --json path, a log): say which, no traceback
-        print(f"hotggml: error: {exc}", file=sys.stderr)
+        from hotggml import paths
+
+        setting = paths.setting_behind(exc.filename)
+        print(f"hotggml: error: {exc}" + (f" (the folder {setting} names)" if setting else ""), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
@@ -199,8 +202,10 @@ def _with_defaults_shown(add_parser: Callable[..., argparse.ArgumentParser]) -> 
 
 
 def version_line() -> str:
-    """'hotggml X (ggml TAG upstream COMMIT, series HASH)': the package version (hotggml.__version__, which
-    pyproject.toml reads), the pin, and the series of this checkout (or of the installed build's record)."""
+    """'hotggml X (ggml TAG upstream COMMIT, code HASH)': the package version (hotggml.__version__, which
+    pyproject.toml reads), the pin, and the code hash of this checkout's series (hotggml.series.code_hash: the
+    diffs a build consumes, as the library's stamp holds it; the `patches` commands print the series hash of the
+    patch files themselves) or of the installed build's record."""
     from hotggml import __version__, paths
     from hotggml import pin_record as pin  # the record alone: no git needed to say the version
 
@@ -218,7 +223,7 @@ def version_line() -> str:
             series = json.loads((find_lib_dir() / "hotggml-build.json").read_text())["series_hash"][:12]
     except (HotggmlError, OSError, KeyError, ValueError):
         pass
-    return f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, series {series})"
+    return f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, code {series})"
 
 
 def _load(target: str) -> Callable[[argparse._SubParsersAction], None]:
@@ -349,7 +354,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         print(json.dumps({"source_dir": str(prep.source_dir), "pin": prep.pin, "series_hash": prep.series_hash,
                           "cpu_flags": ",".join(cpu.isa_flags())}))
     else:
-        print(f"patched tree {prep.source_dir}: pin {prep.pin[:12]}, series {prep.series_hash[:12]}")
+        print(f"patched tree {prep.source_dir}: pin {prep.pin[:12]}, code {prep.series_hash[:12]}")
     return 0
 
 
@@ -383,7 +388,7 @@ def _run_build(args: argparse.Namespace) -> int:
         extra[key] = value
     info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra, tests=args.tests)
     state = "built" if info.rebuilt else "up to date, not rebuilt"
-    print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, series {info.series_hash[:12]})")
+    print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, code {info.series_hash[:12]})")
     return 0
 
 

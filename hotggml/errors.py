@@ -37,6 +37,10 @@ class CheckoutError(HotggmlError):
     """A command that works on the repository's files (patches/, vendor/ggml) ran from an installed package."""
 
 
+class SettingError(HotggmlError):
+    """An environment variable of hotggml's (HOTGGML_STATE_DIR, HOTGGML_BUILD_ROOT) holds a value it cannot use."""
+
+
 class InputError(HotggmlError, ValueError):
     """An argument's value cannot be accepted (shape, range, size); checked before any C call."""
 

@@ -182,8 +182,8 @@ def _refuse_stale(path: Path, got: dict, want: dict) -> None:
         how = ("reinstall the package (`pip install .` from its checkout)" if path.parent == _package_lib_dir()
                else "rebuild with `hotggml build --backend cpu` (or --backend cuda, --backend vulkan)")
         raise LibraryError(
-            f"stale library {path}: built from pin {got['pin'][:12]} series {got['series_hash'][:12]}, "
-            f"but this checkout is pin {want['pin'][:12]} series {want['series_hash'][:12]}; {how}")
+            f"stale library {path}: built from pin {got['pin'][:12]} code {got['series_hash'][:12]}, "
+            f"but this checkout is pin {want['pin'][:12]} code {want['series_hash'][:12]} (the series' diffs); {how}")
 
 
 _PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process

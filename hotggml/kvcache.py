@@ -98,6 +98,14 @@ def stored(x: np.ndarray, type_name: str) -> np.ndarray:
     return decode(encode(x, type_name), type_name, x.shape[-1])
 
 
+def _non_finite_in_block(x: np.ndarray, where: tuple) -> tuple | None:
+    """The index of the first NaN or inf in the q8_0 block (32 values along the last axis) holding x[where]."""
+    start = where[-1] // QK8_0 * QK8_0
+    block = x[where[:-1]][start:start + QK8_0]
+    bad = np.flatnonzero(~np.isfinite(block))
+    return where[:-1] + (start + int(bad[0]),) if bad.size else None
+
+
 def check_held(x: np.ndarray, raw: np.ndarray, type_name: str, what: str) -> None:
     """Raise InputError where ``raw`` (x encoded in type_name) holds inf or NaN for a finite value of x: a value
     beyond the type's range (f32 about 3.40e38 for a float64 x, f16 65504, bf16 about 3.39e38), or, in q8_0, a
@@ -109,6 +117,11 @@ def check_held(x: np.ndarray, raw: np.ndarray, type_name: str, what: str) -> Non
     lost = np.isfinite(x) & ~np.isfinite(held)
     if lost.any():
         where = tuple(int(i) for i in np.argwhere(lost)[0])
+        cause = _non_finite_in_block(x, where) if type_name == "q8_0" else None
+        if cause is not None:  # the block's scale is NaN or inf because of that value, not of this one
+            raise InputError(f"{what}: q8_0 cannot hold the non-finite value {float(x[cause])!r} at {cause} (NumPy index): "
+                             f"its block of {QK8_0} values (with the finite {float(x[where])!r} at {where}) would read "
+                             f"as inf or NaN, since a q8_0 block is all finite or all NaN")
         raise InputError(f"{what}: {type_name} cannot hold the finite value {float(x[where])!r} at {where} (NumPy index): it "
                          f"would read as inf or NaN" + (" (a q8_0 block holds magnitudes below 65520 x 127, all finite)"
                                                         if type_name == "q8_0" else ""))

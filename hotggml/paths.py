@@ -43,13 +43,44 @@ def require_checkout(command: str) -> None:
                             f"this is an installed package at {REPO_ROOT}: run it in a clone of the repository")
 
 
+def _env_folder(name: str) -> Path | None:
+    """The folder environment variable `name` names (~ expanded), or None where it is unset or empty.
+
+    Raises SettingError, naming the variable, for a relative path (another folder from each working directory:
+    a second state folder or build root beside the first) and for a path to something that is not a folder."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    from hotggml.errors import SettingError
+
+    if not path.is_absolute():
+        raise SettingError(f"{name}={value} is a relative path, which names another folder from each working "
+                           f"directory: give an absolute one (or unset {name})")
+    if path.exists() and not path.is_dir():
+        raise SettingError(f"{name}={value} is not a folder: give the folder hotggml may use (or unset {name})")
+    return path.resolve()
+
+
+def setting_behind(filename: str | os.PathLike | None) -> str | None:
+    """`NAME=value` of the environment variable whose folder holds `filename` (an OSError's), else None: an error
+    about a file there then says which setting put it there."""
+    for name in (STATE_ENV, BUILD_ROOT_ENV):
+        value = os.environ.get(name)
+        if filename and value and Path(value).expanduser().is_absolute():
+            folder = Path(value).expanduser().resolve()
+            if Path(os.path.abspath(filename)) == folder or folder in Path(os.path.abspath(filename)).parents:
+                return f"{name}={value}"
+    return None
+
+
 def state_dir() -> Path:
     """Return the state folder (not created): $HOTGGML_STATE_DIR; else REPO_ROOT/.hotggml in a checkout;
     else, for an installed package, the user's cache folder ($XDG_CACHE_HOME or ~/.cache, /hotggml):
-    never a folder inside site-packages."""
-    override = os.environ.get(STATE_ENV)
+    never a folder inside site-packages. Raises SettingError for a relative or non-folder $HOTGGML_STATE_DIR."""
+    override = _env_folder(STATE_ENV)
     if override:
-        return Path(override).expanduser().resolve()
+        return override
     if is_checkout():
         return REPO_ROOT / ".hotggml"
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -72,10 +103,10 @@ BUILD_ROOT_ENV = "HOTGGML_BUILD_ROOT"
 def build_root() -> Path:
     """Return the folder under which builds keyed by pin + series hash live: $HOTGGML_BUILD_ROOT, else
     <state>/build. Checkouts that share one (CI's autocrlf clone and its parent) share every build whose key
-    matches: same pin, same code in the series, same options and recipe."""
-    override = os.environ.get(BUILD_ROOT_ENV)
+    matches: same pin, same code in the series, same options and recipe. Raises SettingError as state_dir()."""
+    override = _env_folder(BUILD_ROOT_ENV)
     if override:
-        return Path(override).expanduser().resolve()
+        return override
     return state_dir() / "build"
 
 

@@ -178,7 +178,7 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
         protect_gitlink()
     if sdist is not None:  # named on purpose: checked even when the tree is the pin already (no silent "verified")
         if not Path(sdist).is_file():
-            raise PinError(f"{sdist}: no such file (the sdist tarball {record['source']['file']})")
+            raise PinError(f"{sdist}: {_not_a_file(Path(sdist))} (the sdist tarball {record['source']['file']})")
         got = sha256_of(Path(sdist))
         if got != record["source"]["sha256"]:
             raise PinError(f"{sdist} is not the pin's sdist {record['source']['file']} (sha256 {got}, expected "
@@ -308,7 +308,7 @@ def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool, record: 
         tarball = Path(explicit).expanduser()
         if not tarball.is_file():
             origin = "--sdist" if sdist else SDIST_ENV
-            raise PinError(f"the ggml sdist given by {origin} ({tarball}) does not exist: point it at "
+            raise PinError(f"the ggml sdist given by {origin} ({tarball}): {_not_a_file(tarball)}; point it at "
                            f"{name}, or unset it to use {cache / name} or pip")
         # $HOTGGML_GGML_SDIST names one source; after `hotggml pin set` the pin may have another (in the cache)
         if sdist or sha256_of(tarball) == record["source"]["sha256"]:
@@ -319,6 +319,11 @@ def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool, record: 
     if not use_pip or not record["source"].get("requirement"):
         raise _no_source(cache, "pip is disabled" if not use_pip else "the pin's source is a tarball", record)
     return _pip_download(cache, record), "pip"
+
+
+def _not_a_file(path: Path) -> str:
+    """Why `path`, which is not a regular file, cannot be read as a tarball, in words."""
+    return "a directory, not the tarball" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
 
 
 def _no_source(cache: Path, why: str, record: dict) -> PinError:

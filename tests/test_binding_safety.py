@@ -155,6 +155,8 @@ CASES = {
         expect(ValueError, "bf16 cannot hold the finite value 1e+300", lambda: g.set(g.cache(np.ones((2, 32)), "bf16"), np.full((2, 32), 1e300)))
         lone = np.ones((2, 32), np.float32); lone[0, 3] = np.nan  # ggml's quantizer makes it 0.0, its block finite
         expect(ValueError, "non-finite value nan at (0, 3)", lambda: g.cache(lone, "q8_0"))
+        inf = np.ones((2, 64), np.float32); inf[1, 37] = np.inf  # its block's scale is inf: 32 NaN, named by the inf
+        expect(ValueError, "q8_0 cannot hold the non-finite value inf at (1, 37)", lambda: g.cache(inf, "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.stored(np.zeros((3, 0), np.float32), "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
         expect(TypeError, "name must be a str", lambda: g.input(np.ones(2, np.float32), name=5))

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 FAKE_CMAKE = """#!/usr/bin/env bash
 if [ "$1" = "--build" ]; then
     dir=$2
-    (cd "$dir" && exec sleep "$FAKE_BUILD_SECONDS") &
+    # FAKE_DETACH: the child in a session of its own, as ninja starts each compiler in a process group of its own
+    (cd "$dir" && exec ${FAKE_DETACH:+setsid} sleep "$FAKE_BUILD_SECONDS") &
     sleep "$FAKE_BUILD_SECONDS"
     wait
     mkdir -p "$dir/lib" && echo '{}' > "$dir/lib/hotggml-build.json"
@@ -51,9 +52,22 @@ def env(tmp_path, monkeypatch):
             "PYTHONPATH": str(paths.REPO_ROOT), "FAKE_BUILD_SECONDS": "2"}
 
 
-def _driver(env, tmp_path, seconds: str = "2") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], env={**env, "FAKE_BUILD_SECONDS": seconds},
+def _driver(env, tmp_path, seconds: str = "2", **extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], env={**env, "FAKE_BUILD_SECONDS": seconds, **extra},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_build_step(bdir: Path) -> int:
+    """The process group of the fake build once its --build step runs."""
+    record = bdir / build._PGID_FILE
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # configure writes the record first
+        if record.is_file():
+            pgid = int(record.read_text())
+            if any("--build" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in procs.group_members(pgid)):
+                return pgid
+        time.sleep(0.05)
+    pytest.fail("the fake build never started")
 
 
 def _bdir() -> Path:
@@ -97,6 +111,30 @@ def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
     assert out.split()[0] == "built"
     assert procs.group_members(pgid) == []  # no leftover process of the killed build
     assert (_bdir() / ".complete").is_file()
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_build_leaves_no_compiler_of_a_group_of_its_own(env, tmp_path, how):
+    """Ctrl-C (SIGINT: the build ends what it started) and kill -9 (the next build does): the compilers ninja
+    starts in process groups of their own (here the fake's detached child) are ended too, not left writing."""
+    victim = _driver(env, tmp_path, seconds="60", FAKE_DETACH="1")
+    _wait_for_build_step(_bdir())
+    deadline = time.monotonic() + 10
+    while not [p for p in procs.working_in(_bdir()) if "sleep" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]:
+        assert time.monotonic() < deadline, "the detached child this test is about never started"
+        time.sleep(0.05)
+    victim.send_signal(how)
+    victim.communicate(timeout=60)
+    if how == signal.SIGKILL:
+        assert procs.working_in(_bdir()), "the orphans this test is about are not there"
+        again = _driver(env, tmp_path, seconds="1")
+        out, err = again.communicate(timeout=60)
+        assert again.returncode == 0 and out.split()[0] == "built", err
+    deadline = time.monotonic() + 10
+    while any("sleep 60" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
+              for p in procs.working_in(_bdir()) if procs.alive(p)):
+        assert time.monotonic() < deadline, "a compiler of the interrupted build is still running"
+        time.sleep(0.05)
 
 
 def test_a_recorded_group_that_is_not_a_build_is_left_alone(env, tmp_path):

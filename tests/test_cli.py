@@ -30,6 +30,21 @@ def test_a_pattern_that_matches_nothing_is_an_error_that_lists_the_ids(command):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize("name", [paths.STATE_ENV, paths.BUILD_ROOT_ENV])
+def test_a_state_or_build_folder_setting_it_cannot_use_is_named(name, tmp_path):
+    # a relative path (another folder from each working directory), a file, and a folder that cannot be made: the
+    # message names the variable, and nothing is made under the working directory
+    run = _hotggml("build", "--backend", "cpu", env={name: "relative-state"})
+    assert run.returncode == cli.EXIT_ERROR and f"{name}=relative-state is a relative path" in run.stderr
+    assert not (paths.REPO_ROOT / "relative-state").exists()
+    (tmp_path / "f").write_text("")
+    run = _hotggml("build", "--backend", "cpu", env={name: str(tmp_path / "f")})
+    assert run.returncode == cli.EXIT_ERROR and f"{name}={tmp_path / 'f'} is not a folder" in run.stderr
+    run = _hotggml("build", "--backend", "cpu", env={name: "/proc/hotggml-state"})
+    assert run.returncode == cli.EXIT_ERROR and f"(the folder {name}=/proc/hotggml-state names)" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_json_pointing_at_a_folder_is_refused_before_the_run(tmp_path):
     for command in (["parity"], ["bench", "--set", "field"]):
         run = _hotggml(*command, "--json", str(tmp_path))
@@ -61,8 +76,11 @@ def test_backend_short_option_and_defaults_in_help():
 def test_version_names_package_pin_and_series():
     run = _hotggml("--version")
     assert run.returncode == 0
-    assert run.stdout.startswith(f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, series ")
-    assert re.search(r"series [0-9a-f]{12}\)", run.stdout)  # this checkout's series hash
+    assert run.stdout.startswith(f"hotggml {__version__} (ggml {pin.TAG} upstream {pin.UPSTREAM_COMMIT[:12]}, code ")
+    # the code hash of this checkout's series (its diffs: what the library's stamp holds), named apart from the
+    # series hash of the patch files that `patches check` prints: two different values, two different names
+    from hotggml import series
+    assert f"code {series.code_hash()[:12]})" in run.stdout and series.series_hash()[:12] not in run.stdout
 
 
 def test_usage_errors_exit_2_and_unknown_commands_too():

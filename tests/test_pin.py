@@ -148,8 +148,18 @@ def test_ignored_file_in_pinned_tree_is_dirty(pristine, tmp_path):
 
 def test_missing_env_tarball_fails_clearly(tmp_path, monkeypatch):
     monkeypatch.setenv(pin.SDIST_ENV, str(tmp_path / "nope.tar.gz"))
-    with pytest.raises(PinError, match=f"{pin.SDIST_ENV}.*does not exist"):
+    with pytest.raises(PinError, match=f"{pin.SDIST_ENV}.*: no such file"):
         pin.fetch(dest=tmp_path / "ggml", cache_dir=tmp_path / "cache", use_pip=False)
+
+
+def test_a_directory_given_as_the_sdist_is_called_one(tmp_path, monkeypatch):
+    # a folder is not "missing": the message says what it is (--sdist, and the environment variable)
+    with pytest.raises(PinError, match="a directory, not the tarball"):
+        pin.fetch(tmp_path, dest=tmp_path / "ggml", cache_dir=tmp_path / "cache", use_pip=False)
+    monkeypatch.setenv(pin.SDIST_ENV, str(tmp_path))
+    with pytest.raises(PinError, match=f"{pin.SDIST_ENV}.*a directory, not the tarball"):
+        pin.fetch(dest=tmp_path / "ggml", cache_dir=tmp_path / "cache", use_pip=False)
+    assert not (tmp_path / "ggml").exists()
 
 
 def test_no_source_says_where_to_put_the_tarball(tmp_path):
