@@ -114,6 +114,12 @@ def _generator() -> list[str]:
     return ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
+def _lock_dir() -> Path:
+    """Where build locks live: in the build root, so that checkouts sharing it ($HOTGGML_BUILD_ROOT) with state
+    folders of their own still wait for each other's build of one folder."""
+    return paths.build_root() / ".locks"
+
+
 _PGID_FILE = ".build-pgid"  # in a build folder while its CMake runs: the process group to end if we die
 
 
@@ -128,20 +134,15 @@ def _end_stale_group(bdir: Path) -> None:
         pgid = int(record.read_text().split()[0])
     except (ValueError, IndexError):
         pgid = 0
-    members = procs.group_members(pgid) if pgid > 1 and pgid != os.getpgid(0) else []
+    # the build's session (CMake ran as its leader): ninja's compilers are in it, each in a group of its own
+    members = procs.session_members(pgid) if pgid > 1 and pgid != os.getsid(0) else []
     if any(procs.works_in(pid, bdir) for pid in members):
-        print(f"hotggml: ending the processes of an interrupted build in {bdir} (group {pgid})",
+        print(f"hotggml: ending the processes of an interrupted build in {bdir} (session {pgid})",
               file=sys.stderr, flush=True)
         try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 30
-        while procs.group_members(pgid):
-            if time.monotonic() > deadline:
-                raise BuildError(f"processes of an interrupted build (group {pgid}) in {bdir} did not end")
-            time.sleep(0.05)
-        procs.end(procs.working_in(bdir))  # the compilers ninja started in groups of their own
+            procs.end(members)
+        except HotggmlError:
+            raise BuildError(f"processes of an interrupted build (session {pgid}) in {bdir} did not end") from None
     record.unlink(missing_ok=True)
 
 
@@ -158,22 +159,20 @@ def _progress(line: str) -> str | None:
     return None
 
 
-def _stop(proc: subprocess.Popen, bdir: Path | None) -> None:
-    """End an interrupted CMake run and what it started. SIGTERM first: ninja then ends its compilers, which it
-    starts in process groups of their own (a SIGKILL of its group alone left them compiling into the folder);
-    then SIGKILL to the group, and to any process still working in bdir."""
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    if bdir is not None:
-        procs.end(procs.working_in(bdir))
+def _stop(proc: subprocess.Popen) -> None:
+    """End an interrupted CMake run and what it started: SIGTERM to its group first (ninja then ends its
+    compilers, which it starts in process groups of their own: a SIGKILL of its group alone left them compiling
+    into the folder), then SIGKILL to whatever is left of its session (CMake is the session's leader)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+    procs.end(procs.session_members(proc.pid))
+    proc.wait()
 
 
 def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmake") -> None:
@@ -202,7 +201,7 @@ def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmak
                     last = time.monotonic()
             proc.wait()
         except BaseException:  # Ctrl-C: its own session does not get the terminal's SIGINT
-            _stop(proc, bdir)
+            _stop(proc)
             raise
         finally:
             if bdir is not None and proc.returncode is not None:
@@ -237,7 +236,7 @@ def build(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | None =
     # the binding loads the plain build of a backend; builds with extra options (e.g. GGML_CPU_HBM=ON)
     # are checked for building, not pointed at
     point = not extra_defines
-    with paths.lock(bdir, f"the build in {bdir}"):  # a second build waits, then finds this one complete
+    with paths.lock(bdir, f"the build in {bdir}", _lock_dir()):  # a second build waits, then finds this one complete
         _end_stale_group(bdir)
         if not _is_complete(bdir):
             _cmake(bdir, prep, defines, jobs)
@@ -296,7 +295,7 @@ def build_stock(backend: str = "cpu", jobs: int | None = None, cuda_arch: str | 
     defines["GGML_BUILD_TESTS"] = "ON" if tests else "OFF"
     bdir = paths.build_root() / f"stock-{backend}-{build_key(pin.UPSTREAM_COMMIT, 'stock', defines)}"
     result = TestBuild("stock", bdir, bdir / "bin" / "test-backend-ops")
-    with paths.lock(bdir, f"the build in {bdir}"):
+    with paths.lock(bdir, f"the build in {bdir}", _lock_dir()):
         _end_stale_group(bdir)
         if (bdir / ".complete").is_file():
             return result

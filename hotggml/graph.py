@@ -840,6 +840,10 @@ class Graph:
         need = self.lib.ggml_tensor_overhead() * TENSORS_PER_CALL
         size = self._mem if ctx == self.ctx else self.lib.ggml_tensor_overhead() * self.MAX_INPUTS
         if self.lib.ggml_used_mem(ctx) + need > size:
+            if ctx != self.ctx:  # the leaves' own context, of a fixed size
+                raise InputError(f"this Graph's leaves fill their context ({len(self._leaves)} inputs, params and "
+                                 f"caches; room for {self.MAX_INPUTS - TENSORS_PER_CALL}): pack them into fewer, "
+                                 "larger tensors")
             raise InputError(f"this Graph's context is full ({self.lib.ggml_used_mem(ctx)} of {size} bytes of tensor "
                              f"objects): make the Graph with a larger max_nodes (now {self.max_nodes})")
 
@@ -955,8 +959,11 @@ class Graph:
     # -- graph ----------------------------------------------------------------------------
     def build(self, outputs: list[Tensor], loss: Tensor | None = None) -> None:
         """Forward graph of outputs (+ loss); with a loss, ggml_build_backward_expand adds the gradients."""
+        if self.ctx is None:
+            raise UsageError("this Graph is closed")
         if self.gf is not None:
             raise UsageError("build() was already called on this Graph")
+        self.backend.need_open()  # before the graph exists: a refused build() leaves the Graph unbuilt
         if self._owner is not None:
             raise UsageError(f"this Graph is trained by {self._owner}, which builds its graphs: use its methods")
         if isinstance(outputs, Tensor) or not isinstance(outputs, (list, tuple)):
@@ -1114,6 +1121,8 @@ class Graph:
         Raises RuntimeError for an unscheduled Graph, ValueError for a backend the scheduler lacks.
         """
         self.own(t)
+        if not isinstance(device_name, str):
+            raise InputTypeError(f"device_name must be a str (a registry name such as 'CPU'), got {type(device_name).__name__}")
         self._need_sched().assign(t.ptr, device_name)
 
     def plan(self) -> None:
@@ -1229,6 +1238,8 @@ class Graph:
             if root.buffer == ffi.NULL or t.ptr.data == ffi.NULL:
                 raise InputError(f"cannot poison {t.op_name} {t.ne}: it is not in the built graph (no memory)")
         for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
+            if self.backend.is_meta and t.ptr.view_src != ffi.NULL:
+                t = Tensor(self, t.ptr.view_src)  # a meta buffer sets whole tensors of its own: the view's computed root
             n = self.lib.ggml_nbytes(t.ptr)
             if self.backend.endpoint is not None:  # RPC buffers have no memset_tensor (ggml asserts): send the bytes
                 nan = np.full(n, 0xFF, dtype=np.uint8)
@@ -1260,17 +1271,22 @@ class Graph:
                              "graph: its memory was reused; pass it to build() as an output to read it")
         if t.ptr.buffer == ffi.NULL and (t.ptr.view_src == ffi.NULL or t.ptr.view_src.buffer == ffi.NULL):
             raise InputError("tensor is not part of the computed graph (no buffer): build() it as an output")
-        if self.backend.is_meta and not t.is_contiguous():
-            raise InputError(f"{t.op_name} {t.ne} is not contiguous: a meta backend's buffer reads whole contiguous "
-                             "tensors only (cont() it into an output)")
         ne, nb = t.ne, t.nb
         itemsize = np.dtype(t.dtype).itemsize
         span = itemsize + sum((n - 1) * s for n, s in zip(ne, nb))
-        raw = np.empty(span, dtype=np.uint8)
-        # a view the allocator never placed (made outside the built graph) has no data of its own: ggml aborts on
-        # it; its bytes are its source's at view_offs
-        src, offs = (t.ptr, 0) if t.ptr.data != ffi.NULL else (t.ptr.view_src, int(t.ptr.view_offs))
-        self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, span)
+        if self.backend.is_meta and t.ptr.view_src != ffi.NULL:
+            # a meta buffer reads whole tensors of its own (ggml asserts on a view, placed or not, and on a range
+            # of a split one): the view's bytes are its root's at view_offs
+            src, offs, size = t.ptr.view_src, 0, int(self.lib.ggml_nbytes(t.ptr.view_src))
+            start = int(t.ptr.view_offs)
+        else:
+            # a view the allocator never placed (made outside the built graph) has no data of its own: ggml aborts
+            # on it; its bytes are its source's at view_offs
+            src, offs = (t.ptr, 0) if t.ptr.data != ffi.NULL else (t.ptr.view_src, int(t.ptr.view_offs))
+            size, start = span, 0
+        raw = np.empty(size, dtype=np.uint8)
+        self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, size)
+        raw = raw[start:start + span]
         view = np.lib.stride_tricks.as_strided(raw.view(t.dtype) if span % itemsize == 0 else raw[: span - span % itemsize].view(t.dtype),
                                                shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
         return np.array(view, copy=True)

@@ -85,10 +85,13 @@ def head_split(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -
     return nh
 
 
-def _set_prec(t: Tensor, prec: str) -> None:
+def _check_prec(prec: str) -> int:
+    """enum ggml_prec of a precision name; InputTypeError / InputError for anything else (before any C call)."""
+    if not isinstance(prec, str):
+        raise InputTypeError(f"precision must be a str, one of {sorted(PREC)}, got {type(prec).__name__}")
     if prec not in PREC:
         raise InputError(f"precision must be one of {sorted(PREC)}, got {prec!r}")
-    t.graph.lib.ggml_flash_attn_train_set_prec(t.ptr, PREC[prec])
+    return PREC[prec]
 
 
 def get_prec(t: Tensor) -> str:
@@ -115,6 +118,7 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     g.own(q, k, v, *([mask] if mask is not None else []))
     check_attention_inputs(q, k, v, mask)
     scale = check_scale("flash_attn_train", scale)
+    prec_id = _check_prec(prec)
     if mask is not None:  # a leaf's values are at hand before compute: +INF and NaN refused by name
         g.mark_mask(mask, "mask")
     if not isinstance(causal, (bool, np.bool_)):
@@ -126,7 +130,7 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
             raise InputError(f"window must be in [0, {WINDOW_MAX}] (or None for no window), got {window}")
     head_split(g, q, k, v, mask)  # on a meta backend: split by heads or mirrored, else InputError before C
     t = Tensor(g, g.lib.ggml_flash_attn_train(g.ctx, q.ptr, k.ptr, v.ptr, mask.ptr if mask else ffi.NULL, float(scale)))
-    _set_prec(t, prec)
+    g.lib.ggml_flash_attn_train_set_prec(t.ptr, prec_id)
     if causal or window is not None:
         g.lib.ggml_flash_attn_train_set_implicit_mask(t.ptr, bool(causal), -1 if window is None else int(window))
     return t
@@ -154,7 +158,10 @@ def op_id(name: str) -> int:
 def __getattr__(name: str) -> int:
     """OP_FLASH_ATTN_TRAIN, OP_FLASH_ATTN_TRAIN_BACK (and any OP_<NAME>): op ids read when first used."""
     if name.startswith("OP_"):
-        return op_id(name[3:])
+        try:
+            return op_id(name[3:])
+        except InputError as exc:  # an attribute lookup: hasattr() and getattr(..., default) expect AttributeError
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {exc}") from None
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

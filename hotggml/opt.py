@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hotggml import autodiff
-from hotggml.errors import InputError, InputTypeError, UsageError
+from hotggml.errors import InputError, InputTypeError, OutOfMemoryError, UsageError
 from hotggml.ffi import ffi, load
 from hotggml.graph import (BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, check_attention_mask_values, ggml_shape,
                            interrupts_deferred, leaf_array, walk)
@@ -353,9 +353,11 @@ class Optimizer:
         inputs: NumPy array shaped and typed like the inputs tensor (NumPy shape = ggml ne reversed; floats
         for f32/f16, integers within int32 for int32; ids feeding a get_rows must lie in [0, rows)).
         labels: for "mse" and "cross_entropy", an array shaped like outputs (f32; for cross_entropy each row a
-        distribution over ne[0], e.g. one-hot; an all-zero row contributes nothing); None for "mean"/"sum".
+        distribution over ne[0], e.g. one-hot: ggml's gradient is (softmax - labels) / rows, so an all-zero row adds no
+        loss but still the gradient softmax / rows); None for "mean"/"sum".
         Returns this micro-batch's loss (for the per-datapoint losses, undone from ggml-opt's 1/opt_period
-        scaling: the loss of the micro-batch alone). Raises InputError / InputTypeError for bad arrays (values
+        scaling: the loss of the micro-batch alone). Raises OutOfMemoryError when ggml cannot allocate the
+        training graph (nothing is computed; the Optimizer stays usable), InputError / InputTypeError for bad arrays (values
         that are not finite among them: one step on NaN or inf makes every weight NaN), UsageError when closed.
         """
         self._need_open()
@@ -369,7 +371,10 @@ class Optimizer:
             raise InputError(f"loss {self.loss!r} takes no labels")
         lib, opt = self.lib, self._native.opt
         with self.graph.backend.lock, interrupts_deferred():  # one graph at a time on a backend (hotggml.graph.Backend)
-            lib.ggml_opt_alloc(opt, True)
+            if not lib.ggml_opt_alloc(opt, True):  # (patch opt-alloc-status) a graph ggml could not allocate
+                raise OutOfMemoryError("the training graph could not be allocated on "
+                                       + ", ".join(b.device_name for b in self._native.sched.backends)
+                                       + ": make the model or batch smaller (nothing was computed)")
             lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
             if self.loss in LABELLED:
                 lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)

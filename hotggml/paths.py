@@ -121,16 +121,17 @@ def __getattr__(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def lock(target: Path, what: str | None = None) -> Iterator[None]:
+def lock(target: Path, what: str | None = None, lock_dir: Path | None = None) -> Iterator[None]:
     """Hold an exclusive lock on `target` (a tree we are about to replace) while the block runs.
 
-    The lock file lives under the state folder, keyed by the target's absolute path,
+    The lock file lives in `lock_dir` (default: the state folder's locks/; a build's, in its build root,
+    which checkouts with state folders of their own may share), keyed by the target's absolute path,
     so that locking never leaves files next to the target (vendor/ is in the superproject).
     It names its holder (pid and command line): a second process says who it waits for on
     stderr, then blocks until the holder is done (or dead: the kernel drops a dead holder's lock).
     """
     key = hashlib.sha1(str(Path(target).resolve()).encode()).hexdigest()[:16]
-    lock_dir = state_dir() / "locks"
+    lock_dir = lock_dir or state_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / f"{key}.lock", "a+") as handle:  # a+: never truncate the holder's line unlocked
         try:

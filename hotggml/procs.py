@@ -40,6 +40,17 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def session_members(sid: int) -> list[int]:
+    """Live processes of session sid: what a command started with start_new_session left, whatever process
+    groups they moved to (ninja starts each compiler in a group of its own, in its session)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat_fields(int(entry.name))
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
 def works_in(pid: int, folder: Path) -> bool:
     """Whether process pid works in folder: its working folder is in it, or its command line names it."""
     folder = str(folder)
@@ -71,8 +82,16 @@ def end(pids: list[int], timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _is_git(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("git")
+    except OSError:
+        return False
+
+
 def remove_tree(folder: Path) -> None:
-    """Remove a folder an interrupted run left, after ending the processes still working in it (removing
-    it under them would leave a half-recreated folder behind)."""
-    end(working_in(folder))
+    """Remove a folder an interrupted run left, after ending the git processes (a killed fetch's or apply's)
+    still working in it: removing it under them would leave a half-recreated folder behind. Nothing else is
+    ended: a shell or an editor open in the folder is the user's."""
+    end([pid for pid in working_in(folder) if _is_git(pid)])
     shutil.rmtree(folder, ignore_errors=True)

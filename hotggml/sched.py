@@ -16,6 +16,10 @@ from hotggml.errors import BackendError, InputError
 from hotggml.ffi import ffi, load
 
 
+def _address(ptr) -> int:
+    return int(ffi.cast("uintptr_t", ptr))
+
+
 class Scheduler:
     """One ``ggml_backend_sched`` over ``[backend, CPU]``, for graphs of up to ``graph_size`` nodes.
 
@@ -51,8 +55,22 @@ class Scheduler:
 
     def _prepare(self, gf) -> None:
         self.lib.ggml_backend_sched_reset(self._ptr)
+        in_graph = self._tensors_of(gf) if self._assigned else set()
         for ptr, backend in self._assigned:
-            self.lib.ggml_backend_sched_set_tensor_backend(self._ptr, ptr, backend._ptr)
+            if _address(ptr) in in_graph:  # ggml's hash set holds the graph's tensors: others would overflow it
+                self.lib.ggml_backend_sched_set_tensor_backend(self._ptr, ptr, backend._ptr)
+
+    def _tensors_of(self, gf) -> set[int]:
+        """Addresses of gf's nodes and of their sources (the leafs among them), computed once per graph."""
+        key = (_address(gf), self.lib.ggml_graph_n_nodes(gf))
+        if getattr(self, "_graph_key", None) != key:
+            found = set()
+            for i in range(key[1]):
+                node = self.lib.ggml_graph_node(gf, i)
+                found.add(_address(node))
+                found.update(_address(src) for src in node.src if src != ffi.NULL)
+            self._graph_key, self._graph_tensors = key, found
+        return self._graph_tensors
 
     def split(self, gf) -> None:
         """Place every node and split the graph without allocating anything (a probe's plan)."""

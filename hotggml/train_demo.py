@@ -117,7 +117,8 @@ class DemoConfig:
 
 def make_batch(rng: np.random.Generator, cfg: DemoConfig) -> tuple[np.ndarray, np.ndarray]:
     """One micro-batch: ids (B, S) int32 (ggml [S, B]) and labels (B*S, V) f32 (ggml [V, S*B]), one-hot
-    on the L positions whose next token is a reversed symbol, zero rows elsewhere (no loss there)."""
+    on the L positions whose next token is a reversed symbol, zero rows elsewhere (no loss there; ggml's
+    cross-entropy gradient still pulls those positions' logits by softmax / rows, in both arms alike)."""
     L, S, B = cfg.length, cfg.seq, cfg.batch
     x = rng.integers(0, cfg.symbols, size=(B, L))
     full = np.concatenate([x, np.full((B, 1), cfg.symbols), x[:, ::-1]], axis=1)  # (B, 2L + 1)

@@ -240,6 +240,66 @@ CASES = {
         o = g.mul(w, w)  # refused for the inputs' type first, whatever the outputs
         expect(TypeError, "q8_0 cache", lambda: Optimizer(g, kc, o, "sum"))
     """,
+    # checked before any C call, with the type and message that name the problem
+    "arguments named before C sees them": """
+        assert not hasattr(ops, "OP_NOT_AN_OP") and getattr(ops, "OP_NOT_AN_OP", 7) == 7
+        g = Graph(be); q = g.input(np.ones((1, 4, 2, 32), np.float32)); k = g.input(np.ones((1, 2, 6, 32), np.float32))
+        expect(TypeError, "precision must be a str", lambda: ops.flash_attn_train(g, q, k, k, None, 0.5, prec=[]))
+        expect(ValueError, "precision must be one of", lambda: ops.flash_attn_train(g, q, k, k, None, 0.5, prec="f64"))
+        s = g.sum(q); g.close()
+        expect(RuntimeError, "closed", lambda: g.build([s]))
+        b2 = Backend("CPU"); g2 = Graph(b2); s2 = g2.sum(g2.input(np.ones(3, np.float32))); b2.close()
+        for _ in range(2):  # the refused build() left no graph behind: the same answer again
+            expect(RuntimeError, "closed", lambda: g2.build([s2]))
+    """,
+    # ggml-alloc.c: a failed reservation left a NULL buffer that the next alloc wrote through (SIGSEGV): the retry
+    # after a caught OutOfMemoryError, and the scheduler's own retry (patch alloc-failed-reserve)
+    "a graph too big for memory, computed twice": """
+        for scheduled in (False, True):
+            g = Graph(be, scheduled=scheduled); x = g.param(np.ones((1, 1), np.float32))
+            s = g.sum(g.repeat(x, g.new_tensor((1 << 20, 1 << 20))))  # a 4 TiB intermediate
+            g.build([s], s)
+            for _ in range(2):
+                expect(MemoryError, "graph allocation failed", g.compute)
+            g.close()
+    """,
+    # ggml-opt.cpp: ggml_opt_alloc ignored the scheduler's failure and evaluated the unallocated graph (SIGSEGV);
+    # it reports it now (patch opt-alloc-status)
+    "an Optimizer whose training graph does not fit": """
+        from hotggml.opt import Optimizer
+        g = Graph(be); x = g.input(np.ones((1, 1), np.float32)); w = g.param(np.ones((1, 1), np.float32))
+        y = g.repeat(g.mul(w, x), g.new_tensor((1 << 20, 1 << 20)))
+        opt = Optimizer(g, x, y, "sum")
+        for _ in range(2):
+            expect(MemoryError, "training graph could not be allocated", lambda: opt.step(np.ones((1, 1), np.float32)))
+        opt.close()
+    """,
+    # ggml-impl.h: the scheduler's hash set holds the graph's tensors; assignments of tensors outside the built
+    # graph, re-applied at every run, overflowed it (fatal error)
+    "assign() of tensors the built graph does not hold": """
+        g = Graph(be, max_nodes=16, scheduled=True)
+        xs = [g.input(np.full(2, i, np.float32)) for i in range(40)]
+        for x in xs:
+            g.assign(x, "CPU")
+        s = g.sum(xs[0]); g.build([s]); g.compute()
+        assert float(g.read(s).reshape(-1)[0]) == 0.0
+        expect(ValueError, "no backend", lambda: g.assign(xs[1], "Vulkan0"))
+        expect(TypeError, "device_name must be a str", lambda: g.assign(xs[1], 0))
+    """,
+    # ggml-backend-meta.cpp: a meta buffer gets and sets whole tensors of its own (GGML_ASSERT is_meta(buffer)):
+    # read() and poison of views, placed or not, go through the view's root
+    "views read and poisoned on a meta backend": """
+        mb = Backend.meta(["CPU", "CPU"]); g = Graph(mb, scheduled=True)
+        a = np.arange(64, dtype=np.float32).reshape(1, 4, 2, 8)
+        x = g.input(a); y = g.add(x, x); g.build([y]); g.compute()  # mirrored: views made after build()
+        assert np.array_equal(g.read(g.reshape(x, (8, 4, 2, 1))), a.reshape(1, 2, 4, 8))
+        assert np.array_equal(g.read(g.permute(y, 0, 2, 1, 3)), np.transpose(2 * a, (0, 2, 1, 3)))
+        g.compute(poison=[g.reshape(y, (64, 1, 1, 1))]); assert np.array_equal(g.read(y), 2 * a)
+        expect(ValueError, "cannot poison", lambda: g.compute(poison=[g.reshape(x, (64, 1, 1, 1))]))
+        g = Graph(mb, scheduled=True); x = g.input(a); g.split(x, 2)  # a permuted view of a split leaf, an output
+        y = g.permute(x, 0, 2, 1, 3); g.build([y]); g.compute()
+        assert np.array_equal(g.read(y), np.transpose(a, (0, 2, 1, 3)))
+    """,
 }
 
 

@@ -23,8 +23,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 FAKE_CMAKE = """#!/usr/bin/env bash
 if [ "$1" = "--build" ]; then
     dir=$2
-    # FAKE_DETACH: the child in a session of its own, as ninja starts each compiler in a process group of its own
-    (cd "$dir" && exec ${FAKE_DETACH:+setsid} sleep "$FAKE_BUILD_SECONDS") &
+    # FAKE_DETACH: the child in a process group of its own (same session), as ninja starts each compiler
+    if [ -n "${FAKE_DETACH:-}" ]; then
+        (cd "$dir" && exec python3 -c 'import os, sys; os.setpgid(0, 0); os.execvp("sleep", ["sleep", sys.argv[1]])' "$FAKE_BUILD_SECONDS") &
+    else
+        (cd "$dir" && exec sleep "$FAKE_BUILD_SECONDS") &
+    fi
     sleep "$FAKE_BUILD_SECONDS"
     wait
     mkdir -p "$dir/lib" && echo '{}' > "$dir/lib/hotggml-build.json"
@@ -86,6 +90,20 @@ def test_two_builds_at_once_one_builds_the_other_waits(env, tmp_path):
     assert (_bdir() / ".complete").is_file() and not (_bdir() / build._PGID_FILE).exists()
 
 
+def test_checkouts_sharing_a_build_root_wait_for_each_other(env, tmp_path):
+    # two state folders (two checkouts), one build root: one builds, the other waits and reuses it (it killed the
+    # first one's build as an interrupted one while the locks lived in each state folder)
+    shared = {**env, paths.BUILD_ROOT_ENV: str(tmp_path / "shared")}
+    first = _driver(shared, tmp_path)
+    time.sleep(0.5)
+    second = _driver({**shared, paths.STATE_ENV: str(tmp_path / "state2")}, tmp_path)
+    out1, err1 = first.communicate(timeout=60)
+    out2, err2 = second.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, err1 + err2
+    assert out1.split()[0] == "built" and out2.split()[0] == "reused", (out1, out2)
+    assert "waiting for the build in" in err2 and "ending the processes" not in err2
+
+
 def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
     victim = _driver(env, tmp_path, seconds="60")
     record = _bdir() / build._PGID_FILE
@@ -116,9 +134,11 @@ def test_kill_9_leaves_no_orphans_and_no_false_built(env, tmp_path):
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_an_interrupted_build_leaves_no_compiler_of_a_group_of_its_own(env, tmp_path, how):
     """Ctrl-C (SIGINT: the build ends what it started) and kill -9 (the next build does): the compilers ninja
-    starts in process groups of their own (here the fake's detached child) are ended too, not left writing."""
+    starts in process groups of their own (here the fake's detached child) are ended too, not left writing;
+    a process the build did not start (a shell or a pager in the build folder: here a sleep) is left alone."""
     victim = _driver(env, tmp_path, seconds="60", FAKE_DETACH="1")
     _wait_for_build_step(_bdir())
+    bystander = subprocess.Popen(["sleep", "61"], cwd=_bdir())
     deadline = time.monotonic() + 10
     while not [p for p in procs.working_in(_bdir()) if "sleep" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]:
         assert time.monotonic() < deadline, "the detached child this test is about never started"
@@ -131,10 +151,15 @@ def test_an_interrupted_build_leaves_no_compiler_of_a_group_of_its_own(env, tmp_
         out, err = again.communicate(timeout=60)
         assert again.returncode == 0 and out.split()[0] == "built", err
     deadline = time.monotonic() + 10
-    while any("sleep 60" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
+    while any("sleep\x0060" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
               for p in procs.working_in(_bdir()) if procs.alive(p)):
         assert time.monotonic() < deadline, "a compiler of the interrupted build is still running"
         time.sleep(0.05)
+    try:
+        assert bystander.poll() is None, "a process the build did not start was killed"
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_a_recorded_group_that_is_not_a_build_is_left_alone(env, tmp_path):
