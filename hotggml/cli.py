@@ -47,7 +47,10 @@ _CHOSEN = "_hotggml_parser"  # namespace key: the parser of the subcommand argpa
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code (EPILOG): errors are one line on stderr, never a traceback. A reader
-    that closes stdout early (``| head``) ends the command quietly, as Unix tools do: no message, exit 141."""
+    that closes stdout early (``| head``) ends the command quietly, as Unix tools do: no message, exit 141.
+    SIGTERM and SIGHUP (``timeout``, ``kill``, a closed terminal) end a command as Ctrl-C does: what it started
+    is ended and its state left as after an interrupt (else a build's compilers outlived it)."""
+    _terminate_as_interrupt()
     try:
         code = _main(argv)
         sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not as a warning at exit
@@ -58,6 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_ERROR
         _stdout_to_devnull()
         return EXIT_STDOUT_CLOSED
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM and SIGHUP delivered as SIGINT, to whatever handles SIGINT then (KeyboardInterrupt, or a block
+    that defers it: hotggml.graph.interrupts_deferred). Main thread only (where Python takes signals)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
 
 def _stdout_closed() -> bool:
@@ -354,7 +368,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         print(json.dumps({"source_dir": str(prep.source_dir), "pin": prep.pin, "series_hash": prep.series_hash,
                           "cpu_flags": ",".join(cpu.isa_flags())}))
     else:
-        print(f"patched tree {prep.source_dir}: pin {prep.pin[:12]}, code {prep.series_hash[:12]}")
+        print(f"patched tree {prep.source_dir}: upstream {prep.pin[:12]}, code {prep.series_hash[:12]}")
     return 0
 
 
@@ -388,7 +402,7 @@ def _run_build(args: argparse.Namespace) -> int:
         extra[key] = value
     info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra, tests=args.tests)
     state = "built" if info.rebuilt else "up to date, not rebuilt"
-    print(f"{args.backend} build {info.build_dir}: {state} (pin {info.pin[:12]}, code {info.series_hash[:12]})")
+    print(f"{args.backend} build {info.build_dir}: {state} (upstream {info.pin[:12]}, code {info.series_hash[:12]})")
     return 0
 
 
@@ -492,10 +506,16 @@ def _json_path(text: str) -> str:
     from pathlib import Path
 
     path = Path(text)
-    if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder: give a file name")
-    if not path.resolve().parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: no such folder {path.resolve().parent}")
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a file name")
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder: give a file name")
+        parent = path.resolve().parent
+    except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise argparse.ArgumentTypeError(f"{text} cannot be written: {exc}") from None
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder {parent}")
     existed = path.exists()
     try:  # opened for append, as the end of the run will: permissions, read-only or pseudo file systems
         with open(path, "a"):
@@ -812,6 +832,9 @@ def add_floor_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_floor(args: argparse.Namespace) -> int:
     from hotggml import build, floor
 
+    if args.cuda_arch is not None and args.backend != "cuda":  # a CPU build would ignore it
+        print(f"hotggml: error: --cuda-arch is for --backend cuda, not {args.backend}", file=sys.stderr)
+        return 2
     device = args.device or ("CPU" if args.backend == "cpu" else "CUDA0")
     modes = args.modes or (["grad"] if device == "CPU" else ["test", "grad"])
     patched = build.build_with_tests(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch)

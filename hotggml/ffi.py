@@ -104,8 +104,12 @@ def find_lib_dir() -> Path:
         looked.append(str(cand))
         if (cand / _lib_file_name()).exists():
             return cand
-    raise LibraryError("no built ggml library found (looked in: " + ", ".join(looked) +
-                       "); run `hotggml build --backend cpu` (or `pip install .`)")
+    from hotggml import paths
+
+    root = os.environ.get(paths.BUILD_ROOT_ENV)
+    raise LibraryError("no built ggml library found (looked in: " + ", ".join(looked) + ", and the builds under "
+                       + (f"{paths.BUILD_ROOT_ENV}={root}" if root else str(paths.build_root()))
+                       + "); run `hotggml build --backend cpu` (or `pip install .`)")
 
 
 def _checkout_series_hash() -> str | None:
@@ -182,8 +186,8 @@ def _refuse_stale(path: Path, got: dict, want: dict) -> None:
         how = ("reinstall the package (`pip install .` from its checkout)" if path.parent == _package_lib_dir()
                else "rebuild with `hotggml build --backend cpu` (or --backend cuda, --backend vulkan)")
         raise LibraryError(
-            f"stale library {path}: built from pin {got['pin'][:12]} code {got['series_hash'][:12]}, "
-            f"but this checkout is pin {want['pin'][:12]} code {want['series_hash'][:12]} (the series' diffs); {how}")
+            f"stale library {path}: built from ggml upstream {got['pin'][:12]} code {got['series_hash'][:12]}, but this "
+            f"checkout is upstream {want['pin'][:12]} code {want['series_hash'][:12]} (the series' diffs); {how}")
 
 
 _PRELOADED: list = []  # the dependencies' handles, kept open for the life of the process

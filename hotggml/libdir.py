@@ -14,6 +14,16 @@ from hotggml import paths
 BACKENDS = ("cuda", "vulkan", "cpu")  # looked at in this order when no backend is named
 
 
+def _record(path: Path) -> dict | None:
+    """A build record's JSON object, or None where the file is missing, unreadable or not one (a full disk, an
+    edit): the build it describes is then not taken, as if it had not finished."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def current_lib_dir(backend: str | None = None, series_hash: str | None = None,
                     defines_of: Callable[[str], dict] | None = None) -> Path | None:
     """Library folder of the newest good build of ``backend`` (else cuda, vulkan, then cpu), or None.
@@ -27,8 +37,8 @@ def current_lib_dir(backend: str | None = None, series_hash: str | None = None,
     found = []
     for name in names:
         pointer = paths.build_root() / f"current-{name}.json"
-        if pointer.is_file():
-            record = json.loads(pointer.read_text())
+        record = _record(pointer)
+        if record and isinstance(record.get("lib_dir"), str):
             lib_dir = Path(record["lib_dir"])
             if (lib_dir / "hotggml-build.json").is_file():
                 found.append((record.get("series_hash"), lib_dir))
@@ -38,7 +48,9 @@ def current_lib_dir(backend: str | None = None, series_hash: str | None = None,
     for name in names:
         done = sorted(paths.build_root().glob(f"{name}-*/.complete"), key=lambda p: p.stat().st_mtime, reverse=True)
         for marker in done:
-            record = json.loads(marker.read_text())
+            record = _record(marker)
+            if record is None or not isinstance(record.get("defines", {}), dict):
+                continue
             defines = {k: v for k, v in record.get("defines", {}).items() if k != "HOTGGML_BUILD_TESTS"}
             if record.get("series_hash") == series_hash and (defines_of is None or defines == defines_of(name)):
                 return marker.parent / "lib"

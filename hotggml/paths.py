@@ -51,15 +51,21 @@ def _env_folder(name: str) -> Path | None:
     value = os.environ.get(name)
     if not value:
         return None
-    path = Path(value).expanduser()
     from hotggml.errors import SettingError
 
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as exc:  # ~user of no such user
+        raise SettingError(f"{name}={value}: {exc} (give an absolute path, or unset {name})") from None
     if not path.is_absolute():
         raise SettingError(f"{name}={value} is a relative path, which names another folder from each working "
                            f"directory: give an absolute one (or unset {name})")
-    if path.exists() and not path.is_dir():
-        raise SettingError(f"{name}={value} is not a folder: give the folder hotggml may use (or unset {name})")
-    return path.resolve()
+    try:
+        if path.exists() and not path.is_dir():
+            raise SettingError(f"{name}={value} is not a folder: give the folder hotggml may use (or unset {name})")
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise SettingError(f"{name}={value} cannot be used as a folder: {exc}") from None
 
 
 def setting_behind(filename: str | os.PathLike | None) -> str | None:
@@ -67,10 +73,13 @@ def setting_behind(filename: str | os.PathLike | None) -> str | None:
     about a file there then says which setting put it there."""
     for name in (STATE_ENV, BUILD_ROOT_ENV):
         value = os.environ.get(name)
-        if filename and value and Path(value).expanduser().is_absolute():
-            folder = Path(value).expanduser().resolve()
-            if Path(os.path.abspath(filename)) == folder or folder in Path(os.path.abspath(filename)).parents:
-                return f"{name}={value}"
+        try:
+            if filename and value and Path(value).expanduser().is_absolute():
+                folder = Path(value).expanduser().resolve()
+                if Path(os.path.abspath(filename)) == folder or folder in Path(os.path.abspath(filename)).parents:
+                    return f"{name}={value}"
+        except (OSError, RuntimeError):
+            return f"{name}={value}"
     return None
 
 

@@ -313,6 +313,8 @@ def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool, record: 
         # $HOTGGML_GGML_SDIST names one source; after `hotggml pin set` the pin may have another (in the cache)
         if sdist or sha256_of(tarball) == record["source"]["sha256"]:
             return tarball, f"tarball {tarball}"
+        print(f"hotggml: {SDIST_ENV}={explicit} is not the pin's source {name} (its sha256 differs): looking in "
+              f"{cache} and pip instead", file=sys.stderr, flush=True)
     cached = cache / name
     if cached.is_file():
         return cached, f"tarball {cached}"

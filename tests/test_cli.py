@@ -238,9 +238,11 @@ def test_an_error_in_the_command_is_one_line(monkeypatch, capsys):
     assert err.startswith("hotggml: error: [Errno 21] Is a directory: '/tmp'") and "Traceback" not in err
 
 
-def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path):
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path, how):
     """SIGINT while a build step runs: the step's process group (cmake, ninja, compilers; its own session, so
-    the terminal's SIGINT does not reach it) is ended, and the command exits 130, not 'build failed'."""
+    the terminal's SIGINT does not reach it) is ended, and the command exits 130, not 'build failed'. SIGTERM
+    (timeout, kill) and SIGHUP (a closed terminal) end it the same way (they left the build tools running)."""
     import signal
     import time
 
@@ -259,7 +261,7 @@ def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path):
     while not pgid_file.is_file() and time.monotonic() < deadline:
         time.sleep(0.05)
     pgid = int(pgid_file.read_text())
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, how))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == cli.EXIT_INTERRUPTED, err
     assert "interrupted" in err and "Traceback" not in err and "failed" not in err
