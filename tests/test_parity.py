@@ -190,3 +190,15 @@ def test_the_parity_command_says_where_a_long_case_is(lib, monkeypatch, capsys):
     steps = [line.split(": ", 1)[1].split(" (")[0] for line in err if line.startswith("[1/1] gqa-band: ")]
     assert steps == ["oracle head 1/4", "oracle head 2/4", "oracle head 3/4", "oracle head 4/4", "oracle done",
                      "fused at 1 thread(s) done", "fused at 2 thread(s) done", "chain done"]
+
+
+def test_an_id_names_one_case_in_every_set():
+    """Two cases of one id in different sets (the real set's stored band mask and the field set's implicit window
+    were both dit-self-window-625) made `bench --case` and `memory --case` time different cases under one name;
+    a case in several sets is the same case, and selecting sets twice runs it once."""
+    by_id = {}
+    for name, members in cases.SETS.items():
+        for c in members:
+            assert by_id.setdefault(c.id, (name, c))[1] == c, f"{c.id}: {by_id[c.id][0]} and {name} differ"
+    twice = cases.select(["smoke", "smoke", "real", "field"], "^dit-self-full-625$")
+    assert [c.id for c in twice] == ["dit-self-full-625"]
