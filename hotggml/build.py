@@ -107,7 +107,13 @@ def build_dir_for(backend: str, pin: str, series_hash: str, defines: dict[str, s
 
 
 def _is_complete(build_dir: Path) -> bool:
-    return (build_dir / ".complete").is_file() and (build_dir / "lib" / "hotggml-build.json").is_file()
+    """Whether a build finished: its record readable (an empty one is a write cut short: a full disk) and its
+    library in lib/ (a folder whose library was deleted is rebuilt, not called up to date)."""
+    from hotggml import ffi, libdir
+
+    return (libdir._record(build_dir / ".complete") is not None
+            and (build_dir / "lib" / "hotggml-build.json").is_file()
+            and (build_dir / "lib" / ffi._lib_file_name()).is_file())
 
 
 def _generator() -> list[str]:

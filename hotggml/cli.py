@@ -511,6 +511,8 @@ def _json_path(text: str) -> str:
     try:
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder: give a file name")
+        if path.exists() and not path.is_file():  # a FIFO or a device: the check's open (and the write) would block
+            raise argparse.ArgumentTypeError(f"{text} is not a regular file: give a file name")
         parent = path.resolve().parent
     except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
         raise argparse.ArgumentTypeError(f"{text} cannot be written: {exc}") from None

@@ -745,6 +745,9 @@ class Graph:
                 leaf = leaf.src[0]
             else:
                 break
+        if int(leaf.type) not in (self.lib.GGML_TYPE_F32, self.lib.GGML_TYPE_F16):  # a bf16 / q8_0 cache's bytes
+            raise InputTypeError(f"{what}: an attention mask is made of f16 or f32 values, got a "
+                                 f"{ffi.string(self.lib.ggml_type_name(leaf.type)).decode()} leaf")
         for t, values in self._pending:
             if t.ptr == leaf:  # a cache("f16") leaf keeps its bytes
                 check_attention_mask_values(values.view(np.float16) if values.dtype == np.uint8 else values, what)

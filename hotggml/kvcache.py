@@ -75,8 +75,12 @@ def encode(x: np.ndarray, type_name: str) -> np.ndarray:
 
 def decode(raw: np.ndarray, type_name: str, n: int) -> np.ndarray:
     """Bytes of rows of n values in type_name (encode's output, or a tensor's bytes) as float32, shape
-    raw.shape[:-1] + (n,), in NumPy alone (the module docstring says how each type is read)."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    raw.shape[:-1] + (n,), in NumPy alone (the module docstring says how each type is read). Raises
+    InputTypeError for raw that is not uint8 (bytes: values would be converted, not reinterpreted)."""
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8:
+        raise InputTypeError(f"raw must be a uint8 array of the rows' bytes, got "
+                             f"{raw.dtype if isinstance(raw, np.ndarray) else type(raw).__name__}")
+    raw = np.ascontiguousarray(raw)
     if raw.shape[-1] != row_bytes(type_name, n):
         raise InputError(f"{raw.shape[-1]} bytes per row are not {n} {type_name} values")
     lead = raw.shape[:-1]

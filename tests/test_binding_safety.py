@@ -158,6 +158,8 @@ CASES = {
         inf = np.ones((2, 64), np.float32); inf[1, 37] = np.inf  # its block's scale is inf: 32 NaN, named by the inf
         expect(ValueError, "q8_0 cannot hold the non-finite value inf at (1, 37)", lambda: g.cache(inf, "q8_0"))
         expect(ValueError, "at least one value", lambda: kvcache.stored(np.zeros((3, 0), np.float32), "q8_0"))
+        expect(TypeError, "raw must be a uint8 array", lambda: kvcache.decode(np.full((2, 68), 300.0), "q8_0", 64))
+        expect(TypeError, "made of f16 or f32 values, got a q8_0", lambda: g.mark_mask(g.cache(np.ones((2, 32)), "q8_0"), "m"))
         expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
         expect(TypeError, "name must be a str", lambda: g.input(np.ones(2, np.float32), name=5))
         expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0) + "junk"))

@@ -31,7 +31,7 @@ if [ "$1" = "--build" ]; then
     fi
     sleep "$FAKE_BUILD_SECONDS"
     wait
-    mkdir -p "$dir/lib" && echo '{}' > "$dir/lib/hotggml-build.json"
+    mkdir -p "$dir/lib" && echo '{}' > "$dir/lib/hotggml-build.json" && : > "$dir/lib/libggml.so"
 fi
 """
 
@@ -160,6 +160,18 @@ def test_an_interrupted_build_leaves_no_compiler_of_a_group_of_its_own(env, tmp_
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_build_folder_without_its_library_or_record_is_rebuilt(env, tmp_path):
+    # an empty .complete (a write a full disk cut short) or a deleted library: not "up to date" (the advice to
+    # rebuild then changed nothing)
+    for damage in ("record", "library"):
+        first = _driver(env, tmp_path, seconds="0")
+        first.communicate(timeout=60)
+        (_bdir() / ".complete").write_text("") if damage == "record" else (_bdir() / "lib" / "libggml.so").unlink()
+        again = _driver(env, tmp_path, seconds="0")
+        out, err = again.communicate(timeout=60)
+        assert again.returncode == 0 and out.split()[0] == "built", (damage, out, err)
 
 
 def test_a_recorded_group_that_is_not_a_build_is_left_alone(env, tmp_path):
