@@ -195,8 +195,9 @@ def _run(cmd: list[str], log: Path, bdir: Path | None = None, stage: str = "cmak
         except FileNotFoundError:
             raise BuildError(f"{cmd[0]} is not on PATH: install it (pip install {cmd[0]}, or your system's "
                              f"package), then run the build again") from None
-        if bdir is not None:
-            (bdir / _PGID_FILE).write_text(f"{proc.pid}\n")
+        if bdir is not None:  # whole or not at all (a reader must never see it empty)
+            (bdir / f"{_PGID_FILE}.tmp").write_text(f"{proc.pid}\n")
+            os.replace(bdir / f"{_PGID_FILE}.tmp", bdir / _PGID_FILE)
         try:
             last = 0.0
             for line in proc.stdout:

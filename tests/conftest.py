@@ -7,10 +7,17 @@ runs CMake only when no good build exists for this pin + series, so a fresh clon
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+
+# A run started in the background by a non-interactive shell (`cmd &`, nohup) has SIGINT ignored, and Python then
+# raises no KeyboardInterrupt, here or in the children the interrupt tests start (an ignored signal stays ignored
+# across exec): those tests would see nothing to test. Delivered as Python's default, it is caught again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # `pytest` (not only `python -m pytest`) from a fresh clone: the package is the repository root
 _ROOT = str(Path(__file__).resolve().parent.parent)
