@@ -30,25 +30,25 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] != "Z"
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes of process group pgid."""
+def _members(field: int, value: int) -> list[int]:
+    """Live processes whose /proc stat field (after "(comm)": 2 pgrp, 3 session) is value."""
     members = []
     for entry in Path("/proc").glob("[0-9]*"):
         fields = _stat_fields(int(entry.name))
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+        if len(fields) > field and fields[field] == str(value) and fields[0] != "Z":
             members.append(int(entry.name))
     return members
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group pgid."""
+    return _members(2, pgid)
 
 
 def session_members(sid: int) -> list[int]:
     """Live processes of session sid: what a command started with start_new_session left, whatever process
     groups they moved to (ninja starts each compiler in a group of its own, in its session)."""
-    members = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat_fields(int(entry.name))
-        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+    return _members(3, sid)
 
 
 def works_in(pid: int, folder: Path) -> bool:
