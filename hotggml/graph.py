@@ -572,6 +572,8 @@ class Graph:
         """An uninitialised tensor of shape ne (ggml order); dtype float32 or float16."""
         if self.ctx is None:
             raise UsageError("this Graph is closed")
+        if name is not None and not isinstance(name, str):
+            raise InputTypeError(f"name must be a str, got {type(name).__name__}")
         dtype = np.dtype(dtype)
         if dtype not in _GGML_TYPES:
             raise InputTypeError(f"unsupported dtype {dtype}: use float32, float16 or int32")
@@ -1069,7 +1071,10 @@ class Graph:
         return len(nodes), len(leafs)
 
     def find_nodes(self, op: int) -> list[Tensor]:
-        """Graph nodes whose op is ``op`` (an enum ggml_op value)."""
+        """Graph nodes whose op is ``op`` (an enum ggml_op value: hotggml.ops.op_id("MUL_MAT")). Raises
+        InputTypeError for anything else (a name matched nothing without a word)."""
+        if isinstance(op, bool) or not isinstance(op, (int, np.integer)):
+            raise InputTypeError(f"find_nodes takes an enum ggml_op value (hotggml.ops.op_id(name)), got {type(op).__name__}")
         return [t for t in self.nodes() if t.op == op]
 
     def nodes(self) -> list[Tensor]:

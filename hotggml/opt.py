@@ -59,7 +59,10 @@ PER_DATAPOINT = {"mean", "cross_entropy", "mse"}  # losses ggml-opt scales by 1/
 def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise InputTypeError(f"AdamW {name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        raise InputError(f"AdamW {name} must be finite as a float32, got an int of {len(str(abs(value)))} digits") from None
     with np.errstate(over="ignore"):
         f32 = float(np.float32(value))
     if not math.isfinite(value) or not math.isfinite(f32):

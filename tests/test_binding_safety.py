@@ -162,6 +162,9 @@ CASES = {
         expect(TypeError, "made of f16 or f32 values, got a q8_0", lambda: g.mark_mask(g.cache(np.ones((2, 32)), "q8_0"), "m"))
         expect(ValueError, "at least one value", lambda: kvcache.row_bytes("f16", -3))
         expect(TypeError, "name must be a str", lambda: g.input(np.ones(2, np.float32), name=5))
+        expect(TypeError, "name must be a str", lambda: g.new_tensor((2,), name=5))
+        from hotggml.opt import AdamW
+        expect(ValueError, "must be finite as a float32", lambda: AdamW(alpha=10**400))
         expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0) + "junk"))
         expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0xDCFF)))
         expect(ValueError, "finite as float32", lambda: g.dot_loss([(g.input(np.ones(2, np.float32)), np.full(2, 1e300))]))
