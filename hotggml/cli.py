@@ -312,7 +312,10 @@ def _run_status(args: argparse.Namespace) -> int:
         for marker, present in entry.markers:
             if not present:
                 print(f"{'':<14} missing marker {marker}")
-    print(f"work tree {patches.default_tree()}, series {patches.series_hash()[:12]}")
+    tree = patches.default_tree()
+    made = (tree / ".git").exists()
+    print(f"work tree {tree}, series {patches.series_hash()[:12]}"
+          + ("" if made else ": no work tree there yet (`hotggml patches apply` makes it)"))
     return 0
 
 

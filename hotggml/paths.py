@@ -63,7 +63,11 @@ def _env_folder(name: str) -> Path | None:
     try:
         if path.exists() and not path.is_dir():
             raise SettingError(f"{name}={value} is not a folder: give the folder hotggml may use (or unset {name})")
-        return path.resolve()
+        resolved = path.resolve()
+        if resolved == VENDOR_DIR.resolve() or VENDOR_DIR.resolve() in resolved.parents:
+            raise SettingError(f"{name}={value} is inside the pinned tree {VENDOR_DIR}, which is never written to: "
+                               "give a folder outside it")
+        return resolved
     except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
         raise SettingError(f"{name}={value} cannot be used as a folder: {exc}") from None
 

@@ -40,6 +40,9 @@ def test_a_state_or_build_folder_setting_it_cannot_use_is_named(name, tmp_path):
     (tmp_path / "f").write_text("")
     run = _hotggml("build", "--backend", "cpu", env={name: str(tmp_path / "f")})
     assert run.returncode == cli.EXIT_ERROR and f"{name}={tmp_path / 'f'} is not a folder" in run.stderr
+    run = _hotggml("build", "--backend", "cpu", env={name: str(paths.VENDOR_DIR / "state")})
+    assert run.returncode == cli.EXIT_ERROR and "inside the pinned tree" in run.stderr
+    assert not (paths.VENDOR_DIR / "state").exists()
     run = _hotggml("build", "--backend", "cpu", env={name: "/proc/hotggml-state"})
     assert run.returncode == cli.EXIT_ERROR and f"(the folder {name}=/proc/hotggml-state names)" in run.stderr
     assert "Traceback" not in run.stderr
@@ -360,3 +363,10 @@ def test_a_repository_git_refuses_for_its_owner_is_one_line_naming_it_and_the_fi
     allow(work)
     run = hotggml("patches", "apply")
     assert run.returncode == 0 and "already applied" in run.stdout, run.stderr
+
+
+def test_patches_status_without_a_work_tree_says_so(tmp_path):
+    # every patch "not applied", exit 0, and no word that there is no tree at all: now the last line says it
+    run = _hotggml("patches", "status", env={paths.STATE_ENV: str(tmp_path / "state")})
+    assert run.returncode == 0 and "not applied" in run.stdout
+    assert run.stdout.rstrip().endswith("no work tree there yet (`hotggml patches apply` makes it)")
