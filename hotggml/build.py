@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hotggml import paths, procs
-from hotggml.errors import BuildError
+from hotggml.errors import BuildError, HotggmlError
 
 BACKENDS = ("cpu", "cuda", "vulkan")
 
