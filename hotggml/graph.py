@@ -855,8 +855,9 @@ class Graph:
     def permute(self, t: Tensor, *axes: int) -> Tensor:
         """ggml_permute: axes[i] is where source dim i goes."""
         self.own(t)
-        if sorted(axes) != [0, 1, 2, 3]:
-            raise InputError(f"permute needs a permutation of 0..3, got {axes}")
+        if any(isinstance(a, bool) or not isinstance(a, (int, np.integer)) for a in axes) or sorted(axes) != [0, 1, 2, 3]:
+            raise InputError(f"permute needs a permutation of 0..3 (ints), got {axes}")
+        axes = tuple(int(a) for a in axes)
         if _blocked(t) and axes[0] != 0:
             raise InputError(f"permute {axes}: a {t.type_name} tensor's rows are blocks of {_blocked(t)} values, so axis 0 stays")
         return self._wrap(self.lib.ggml_permute(self.ctx, t.ptr, *axes))
@@ -945,8 +946,11 @@ class Graph:
 
     def dot_loss(self, outputs: list[tuple[Tensor, np.ndarray]]) -> Tensor:
         """Scalar loss L = sum_i sum(t_i * w_i) with constant w_i, so dL/dt_i = w_i (seeded loss gradients)."""
-        if not outputs:
-            raise InputError("dot_loss needs at least one (tensor, weight) pair")
+        if not isinstance(outputs, (list, tuple)) or not outputs:
+            raise InputError("dot_loss needs a non-empty list of (tensor, weight) pairs")
+        if any(not isinstance(pair, (list, tuple)) or len(pair) != 2 for pair in outputs):
+            raise InputTypeError("dot_loss takes (tensor, weight) pairs")
+        self.own(*(t for t, _ in outputs))
         loss = None
         for t, w in outputs:
             w = np.asarray(w)

@@ -145,6 +145,8 @@ class Server:
             raise InputTypeError(f"device must be a registry device name (str), got {device!r}")
         if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1):
             raise InputError(f"n_threads must be a positive int, got {n_threads!r}")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise InputError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
         lib = load()
         if lib.ggml_backend_dev_by_name(device.encode()) == ffi.NULL:
             raise InputError(f"no device {device!r} in this build's registry to serve")

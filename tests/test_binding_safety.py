@@ -168,7 +168,12 @@ CASES = {
         expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0) + "junk"))
         expect(ValueError, "without NUL", lambda: Backend("CPU" + chr(0xDCFF)))
         expect(ValueError, "finite as float32", lambda: g.dot_loss([(g.input(np.ones(2, np.float32)), np.full(2, 1e300))]))
-        expect(ValueError, "at least one", lambda: g.dot_loss([]))
+        expect(ValueError, "non-empty list", lambda: g.dot_loss([]))
+        expect(TypeError, "pairs", lambda: g.dot_loss([g.input(np.ones(2, np.float32))]))
+        expect(TypeError, "hotggml Tensor", lambda: g.dot_loss([(np.ones(2), np.ones(2))]))
+        expect(ValueError, "of 0..3 (ints)", lambda: g.permute(g.input(np.ones((2, 2), np.float32)), 1.0, 0.0, 2.0, 3.0))
+        from hotggml import rpc
+        expect(ValueError, "start_timeout", lambda: rpc.Server("CPU", start_timeout="5"))
         qq = g.input(np.ones((1, 4, 2, 32), np.float32)); kk = g.input(np.ones((1, 2, 6, 32), np.float32))
         expect(TypeError, "mask must be f16, got bf16", lambda: ops.flash_attn_train(g, qq, kk, kk, g.cache(np.zeros((4, 6)), "bf16"), 0.25))
         g.input(np.array([65519.0]), dtype=np.float16); g.input(np.array([65505]), dtype=np.float16)  # round to 65504
