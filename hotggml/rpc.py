@@ -33,6 +33,11 @@ DEVICE_NAME = re.compile(r"^RPC\[(?P<endpoint>[^\]]+)\]$")  # Backend('RPC[127.0
 # a line of the server's record (patch rpc-server-node-log): one per node, after its graph ran
 _COMPUTED = re.compile(r"^\[graph_(?:re)?compute\] device: (\d+), computed node (\d+): (\S+)")
 _served: dict[str, str] = {}  # endpoint -> the device a Server of this process serves there ('CPU')
+# how long ggml-rpc waits for a server's answer to the handshake (patch rpc-hello-timeout; ggml's default is no
+# limit: a peer that takes the connection and never answers would block this process, and its later connections,
+# for good); the user's own value in the environment wins
+HELLO_TIMEOUT_ENV = "GGML_RPC_HELLO_TIMEOUT_MS"
+HELLO_TIMEOUT_MS = 30000
 
 
 def proto_version() -> str:
@@ -59,6 +64,8 @@ def _add(endpoint: str):
     if add is None:
         raise BackendError("this library was built without RPC (GGML_RPC=OFF): rebuild it with `hotggml build`, "
                            "which turns it on")
+    # set once for the process: ggml-rpc shakes hands again whenever it reconnects (a backend, a buffer)
+    os.environ.setdefault(HELLO_TIMEOUT_ENV, str(HELLO_TIMEOUT_MS))
     said: list[str] = []
 
     @ffi.callback("void(enum ggml_log_level, const char *, void *)")
@@ -72,8 +79,12 @@ def _add(endpoint: str):
         lib.ggml_log_set(ffi.NULL, ffi.NULL)  # ggml's default logger again
     if server == ffi.NULL:
         peer = next((m.group(1) for line in said if (m := re.search(r"version mismatch: (\d+\.\d+\.\d+)", line))), None)
+        late = next((m.group(1) for line in said if (m := re.search(r"within GGML_RPC_HELLO_TIMEOUT_MS = (\d+) ms", line))), None)
         why = (f"the server speaks RPC {peer} and this ggml {proto_version()}: a peer of another build (stock ggml, "
-               "or another fork) has other op ids" if peer else f"no RPC server answered ({''.join(said).strip()})")
+               "or another fork) has other op ids" if peer else
+               f"no answer to the handshake within {HELLO_TIMEOUT_ENV} = {late} ms: the peer is no RPC server, or a "
+               "server busy with another client (it serves one at a time)" if late else
+               f"no RPC server answered ({''.join(said).strip()})")
         raise BackendError(f"RPC server {endpoint} refused: {why}")
     return server
 
@@ -83,7 +94,9 @@ def add_server(endpoint: str) -> int:
 
     Raises InputTypeError / InputError for an endpoint that is not 'host:port', BackendError when this build
     has no RPC, and BackendError naming both versions when the server refuses the handshake (another build:
-    stock ggml, or another fork) or cannot be reached.
+    stock ggml, or another fork), cannot be reached, or does not answer it within GGML_RPC_HELLO_TIMEOUT_MS
+    milliseconds (30000 unless set in the environment: a peer that is no RPC server, or a server busy with
+    another client, since it serves one at a time).
     """
     return int(load().ggml_backend_reg_dev_count(_add(endpoint)))
 

@@ -250,3 +250,37 @@ def test_backend_names_an_rpc_server_by_endpoint(fork_lib):
     assert lines[2].startswith("InputError an RPC device is named 'RPC[host:port]'"), lines
     assert lines[3].startswith("InputError endpoint '127.0.0.1:99999': a TCP port is in [1, 65535]"), lines
     assert lines[4] == "opened RPC0 True CPU", lines
+
+
+SILENT = r'''
+import os, socket, time
+from hotggml import rpc
+from hotggml.errors import BackendError
+listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(4)  # takes connections, never answers
+t0 = time.monotonic()
+try:
+    rpc.add_server(f"127.0.0.1:{listener.getsockname()[1]}")
+except BackendError as e:
+    print(f"refused after {time.monotonic() - t0:.1f} s:", e)
+with rpc.Server("CPU", n_threads=1) as s:  # the process connects again: nothing was left blocked
+    print("devices", rpc.add_server(s.endpoint))
+'''
+
+
+def test_a_peer_that_never_answers_the_handshake_is_refused_in_time(fork_lib):
+    """Patch rpc-hello-timeout: a listener that takes the connection and never answers is refused within
+    GGML_RPC_HELLO_TIMEOUT_MS, named, and the process connects to a real server afterwards (before the patch the
+    client blocked forever, holding ggml-rpc's connection lock). Without the variable, hotggml sets 30 s."""
+    run = subprocess.run([sys.executable, "-c", SILENT], capture_output=True, text=True, timeout=120,
+                         env={**_env(fork_lib), "GGML_RPC_HELLO_TIMEOUT_MS": "500"})
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    refused, devices = run.stdout.splitlines()
+    assert "refused: no answer to the handshake within GGML_RPC_HELLO_TIMEOUT_MS = 500 ms" in refused, refused
+    assert float(re.search(r"refused after ([\d.]+) s", refused).group(1)) < 10, refused
+    assert devices == "devices 1", run.stdout
+    env = {k: v for k, v in _env(fork_lib).items() if k != "GGML_RPC_HELLO_TIMEOUT_MS"}
+    run = subprocess.run([sys.executable, "-c", (
+        "import os\nfrom hotggml import rpc\nfrom hotggml.errors import BackendError\n"
+        "try:\n    rpc.add_server('127.0.0.1:1')\nexcept BackendError:\n    pass\n"
+        "print(os.environ['GGML_RPC_HELLO_TIMEOUT_MS'])\n")], capture_output=True, text=True, timeout=120, env=env)
+    assert run.stdout.strip() == "30000", run.stdout + run.stderr[-2000:]
