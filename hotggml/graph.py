@@ -471,16 +471,38 @@ def leaf_array(array: np.ndarray, dtype, what: str) -> np.ndarray:
     dtype = np.dtype(dtype)
     if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
         raise InputTypeError(f"{what}: a {dtype} leaf cannot take {array.dtype} values")
+    if array.size * dtype.itemsize > MAX_TENSOR_BYTES:  # before the copy (a broadcast view costs nothing to pass)
+        raise InputError(f"{what}: shape {array.shape} of {dtype} is over {MAX_TENSOR_BYTES} bytes")
     if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
         raise InputError(f"{what}: values out of the {dtype} range")
-    with np.errstate(over="ignore"):  # an overflow is what the test below finds
-        data = np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change
+    try:
+        with np.errstate(over="ignore"):  # an overflow is what the test below finds
+            data = np.array(array, dtype=dtype, order="C", copy=True)  # the caller's array may change
+    except MemoryError as exc:
+        raise OutOfMemoryError(f"{what}: no host memory for a copy of {array.size * dtype.itemsize} bytes") from exc
     if dtype.kind == "f" and array.dtype.kind in "fiu" and array.size:
         lost = ~np.isfinite(data) & (np.isfinite(array) if array.dtype.kind == "f" else True)
         if lost.any():
             raise InputError(f"{what}: finite values beyond {dtype}'s range ({float(np.finfo(dtype).max):.6g}) "
                              "would become inf")
     return data
+
+
+def leaf_values(array, what: str) -> np.ndarray:
+    """``array`` as a NumPy array for a leaf (input, param, cache, set). Raises InputTypeError for None, a
+    Tensor, or a masked array (its masked-out values would be taken as data: fill it first)."""
+    if array is None or isinstance(array, (Tensor, np.ma.MaskedArray)):
+        raise InputTypeError(f"{what} takes its values as a NumPy array (a masked array filled first), got "
+                             f"{type(array).__name__}")
+    return np.asarray(array)
+
+
+def leaf_dtype(dtype, what: str) -> np.dtype:
+    """np.dtype(dtype), or InputTypeError naming what for anything NumPy cannot read as one."""
+    try:
+        return np.dtype(dtype)
+    except TypeError as exc:
+        raise InputTypeError(f"{what}: {dtype!r} is not a dtype (float32, float16 or int32)") from exc
 
 
 def check_attention_mask_values(values: np.ndarray, what: str = "mask") -> None:
@@ -531,8 +553,9 @@ class Graph:
         the forward before ggml sees it and, with a loss, refuses a forward of more than
         max_nodes / (1 + BACKWARD_GROWTH) nodes: ggml aborts the process when a graph overflows.
         reserve_only: leaves without data, for arena_bytes() only (the class docstring)."""
-        if not isinstance(reserve_only, (bool, np.bool_)):
-            raise InputTypeError(f"reserve_only must be a bool, got {type(reserve_only).__name__}")
+        for flag, value in (("reserve_only", reserve_only), ("scheduled", scheduled)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise InputTypeError(f"{flag} must be a bool, got {type(value).__name__}")
         self.reserve_only = bool(reserve_only)
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 16 <= max_nodes <= self.MAX_NODES_LIMIT:
             raise InputError(f"max_nodes must be an int in [16, {self.MAX_NODES_LIMIT}], got {max_nodes!r}")
@@ -562,6 +585,7 @@ class Graph:
         self.attention_masks: set = set()  # leaves an additive mask is made of (mark_mask): set() checks their values
         self._loss: Tensor | None = None
         self._computed = False
+        self._uploaded = False  # the leaves' buffer allocated and their data in it (build(), or its retry)
         self._placed = False
         self._supported = False  # every node of the built graph runs on a backend (checked once: the graph is fixed)
         self._owner: str | None = None  # set by freeze(): who builds and computes this Graph's nodes instead
@@ -574,7 +598,7 @@ class Graph:
             raise UsageError("this Graph is closed")
         if name is not None and not isinstance(name, str):
             raise InputTypeError(f"name must be a str, got {type(name).__name__}")
-        dtype = np.dtype(dtype)
+        dtype = leaf_dtype(dtype, "new_tensor")
         if dtype not in _GGML_TYPES:
             raise InputTypeError(f"unsupported dtype {dtype}: use float32, float16 or int32")
         if not 1 <= len(ne) <= GGML_MAX_DIMS or any(not isinstance(n, (int, np.integer)) or int(n) < 1 for n in ne):
@@ -594,8 +618,8 @@ class Graph:
             raise UsageError("this Graph is closed")
         if name is not None and not isinstance(name, str):
             raise InputTypeError(f"input name must be a str, got {type(name).__name__}")
-        array = np.asarray(array)
-        dtype = np.dtype(dtype or array.dtype).newbyteorder("=")  # a byte-swapped float32 is float32: converted
+        array = leaf_values(array, f"input {name or ''}")
+        dtype = leaf_dtype(dtype or array.dtype, f"input {name or ''}").newbyteorder("=")  # a byte-swapped float32 is float32
         if dtype not in _GGML_TYPES:
             raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32, float16 or int32")
         if self.gf is not None:
@@ -623,13 +647,16 @@ class Graph:
 
         if name is not None and not isinstance(name, str):
             raise InputTypeError(f"cache name must be a str, got {type(name).__name__}")
-        array = np.asarray(array)
+        array = leaf_values(array, f"cache {name or ''}")
         kvcache.check_type(type_name)
         if array.dtype.kind not in "fiu" or not 1 <= array.ndim <= GGML_MAX_DIMS:
             raise InputTypeError(f"cache {name or ''}: a real array of 1 to 4 axes, got {array.dtype} {array.shape}")
         if 0 in array.shape:  # as input(): ggml takes the product of the dims, and the ops divide by them
             raise InputError(f"cache {name or ''}: every axis needs at least one element, got shape {array.shape}")
         kvcache.check_row(type_name, array.shape[-1], f"cache {name or ''}: a row")
+        # before any conversion: a broadcast view of a huge shape costs nothing to pass, its copy everything
+        if kvcache.row_bytes(type_name, array.shape[-1]) * int(np.prod(array.shape[:-1], dtype=object)) > MAX_TENSOR_BYTES:
+            raise InputError(f"cache of shape {array.shape} is over {MAX_TENSOR_BYTES} bytes")
         if type_name == "f32":  # a float64 beyond float32's range is refused, not made inf
             if not self.reserve_only:
                 kvcache.check_held(array, kvcache.encode(array, "f32"), "f32", f"cache {name or ''}")
@@ -647,10 +674,6 @@ class Graph:
         raw = None if self.reserve_only else kvcache.encode(array, type_name)
         if raw is not None:  # ggml's converters make inf or NaN of what the type cannot hold: refused, as input() does
             kvcache.check_held(array, raw, type_name, f"cache {name or ''}")
-        rows = int(np.prod(ne[1:], dtype=object))
-        nbytes = raw.nbytes if raw is not None else int(self.lib.ggml_row_size(ggml_type, ne[0])) * rows
-        if nbytes > MAX_TENSOR_BYTES:
-            raise InputError(f"cache of shape {array.shape} is over {MAX_TENSOR_BYTES} bytes")
         self._room(self.ctx_in)
         ne_c = ffi.new("int64_t[4]", list(ne))
         ptr = self.lib.ggml_new_tensor(self.ctx_in, ggml_type, GGML_MAX_DIMS, ne_c)
@@ -671,8 +694,8 @@ class Graph:
 
     def split(self, t: Tensor, axis: int, parts: list[int] | None = None) -> None:
         """Split leaf ``t`` (an input, param or cache of this Graph) across the devices of its meta backend along
-        ``axis`` (0-3, ggml order): device j holds ``parts[j]`` of its ``ne[axis]`` (default: equal parts). Every
-        other leaf is mirrored (whole on each device). Before build(); hotggml.meta says what the meta backend
+        ``axis`` (0-2, ggml order: the meta backend copies no data split along axis 3): device j holds
+        ``parts[j]`` of its ``ne[axis]`` (default: equal parts). Every other leaf is mirrored (whole on each device). Before build(); hotggml.meta says what the meta backend
         splits at this pin (the training ops by heads: q, k, v on axis 2, ``meta.heads_rule``), and build()
         refuses a graph that a split would make ggml abort.
 
@@ -696,6 +719,9 @@ class Graph:
             raise InputTypeError("split() takes an input(), param() or cache() of this Graph")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= int(axis) < GGML_MAX_DIMS:
             raise InputError(f"axis must be 0..{GGML_MAX_DIMS - 1} (ggml order), got {axis!r}")
+        if int(axis) == GGML_MAX_DIMS - 1:  # ggml-backend-meta.cpp: GGML_ABORT in set_tensor / get_tensor
+            raise InputError(f"the meta backend at this pin copies a split leaf's data along axes 0..{GGML_MAX_DIMS - 2} "
+                             f"only, not axis {GGML_MAX_DIMS - 1}: split on another axis (a permuted view reorders them)")
         axis, n_dev = int(axis), self.backend.n_devices
         nr = [1] if nr is None else [int(n) for n in nr]
         if ne is None:
@@ -774,10 +800,7 @@ class Graph:
         if not isinstance(t, Tensor) or t.graph is not self or not any(t.ptr == leaf.ptr for leaf in self._leaves):
             raise InputTypeError("set() takes an input() or param() of this Graph"
                                  + ("" if isinstance(t, Tensor) else f", got a {type(t).__name__}"))
-        if array is None or isinstance(array, (Tensor, np.ma.MaskedArray)):
-            raise InputTypeError(f"set() takes the new values as a NumPy array (a masked array filled first), got "
-                                 f"{type(array).__name__}")
-        array = np.asarray(array)
+        array = leaf_values(array, "set()")
         if ggml_shape(array.shape) != t.ne:
             shape = tuple(reversed(t.ne))
             while len(shape) > 1 and shape[0] == 1:  # a leaf keeps no rank: its shape without the leading 1s
@@ -1058,6 +1081,7 @@ class Graph:
             self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free)
             for t in self._leaves:
                 t.ptr.buffer = buf
+            self._uploaded = True
             return
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
         if buf == ffi.NULL and self._leaves:
@@ -1068,6 +1092,13 @@ class Graph:
         for t, arr in self._pending:
             self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(arr), 0, arr.nbytes)
         self._pending = []
+        self._uploaded = True
+
+    def _need_uploaded(self) -> None:
+        """Upload the leaves now if build() could not (OutOfMemoryError there leaves a built Graph whose leaves
+        have no memory: computing it would read none; set() meanwhile changes the data waiting to go)."""
+        if not self._uploaded:
+            self._upload_leaves()
 
     def _count_forward(self, roots: list[Tensor]) -> tuple[int, int]:
         """The nodes and leafs ggml_build_forward_expand would put in a graph for roots, counted in Python."""
@@ -1128,14 +1159,22 @@ class Graph:
         return self._sched
 
     def assign(self, t: Tensor, device_name: str) -> None:
-        """Pin node ``t`` to the scheduler's backend ``device_name`` ('CPU' or the Graph's backend).
+        """Pin node ``t`` to the scheduler's backend ``device_name`` ('CPU' or the Graph's backend; on a meta
+        backend, the meta device only).
 
-        Raises RuntimeError for an unscheduled Graph, ValueError for a backend the scheduler lacks.
+        Raises RuntimeError for an unscheduled Graph, ValueError for a backend the scheduler lacks or, on a meta
+        backend, for any other device.
         """
         self.own(t)
         if not isinstance(device_name, str):
             raise InputTypeError(f"device_name must be a str (a registry name such as 'CPU'), got {type(device_name).__name__}")
-        self._need_sched().assign(t.ptr, device_name)
+        sched = self._need_sched()
+        if self.backend.is_meta and device_name != self.backend.device_name:
+            # the meta buffer's tensors have no memory of their own: a CPU kernel would read through their
+            # placeholder addresses (SIGSEGV); the meta device runs each node on its devices' parts itself
+            raise InputError(f"on the meta backend {self.backend.device_name} every node runs on the meta device, "
+                             f"whose tensors {device_name} cannot read: assign() to {self.backend.device_name} only")
+        sched.assign(t.ptr, device_name)
 
     def plan(self) -> None:
         """Place and split the built graph without allocating (placement() then answers): a probe."""
@@ -1143,6 +1182,7 @@ class Graph:
         sched = self._need_sched()
         self.backend.need_open()  # the scheduler holds the Backend's C object: freed once it is closed
         self._check_supported()
+        self._need_uploaded()
         with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
             sched.split(self.gf)
         self._placed = True
@@ -1167,6 +1207,7 @@ class Graph:
 
     def _allocate(self) -> None:
         self._check_supported()
+        self._need_uploaded()
         if self._sched is not None:
             if not self._sched.alloc(self.gf):
                 raise OutOfMemoryError("graph allocation failed in the scheduler over "
@@ -1252,12 +1293,8 @@ class Graph:
         for t in poison:  # before the seed: whatever the poisoned tensors share memory with, the seed survives
             if self.backend.is_meta and t.ptr.view_src != ffi.NULL:
                 t = Tensor(self, t.ptr.view_src)  # a meta buffer sets whole tensors of its own: the view's computed root
-            n = self.lib.ggml_nbytes(t.ptr)
-            if self.backend.endpoint is not None:  # RPC buffers have no memset_tensor (ggml asserts): send the bytes
-                nan = np.full(n, 0xFF, dtype=np.uint8)
-                self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(nan), 0, n)
-            else:
-                self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, n)
+            # (an RPC buffer's memset is a SET_TENSOR: patch rpc-memset-tensor; a meta buffer's each part's)
+            self.lib.ggml_backend_tensor_memset(t.ptr, 0xFF, 0, self.lib.ggml_nbytes(t.ptr))
         if self._loss is not None:
             g = self.lib.ggml_graph_get_grad(self.gf, self._loss.ptr)
             one = np.ones(1, dtype=np.float32)

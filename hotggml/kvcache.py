@@ -34,6 +34,8 @@ def check_row(type_name: str, n: int, what: str = "a row") -> None:
     type: at least one value, which ggml's quantizer needs)."""
     check_type(type_name)
     per_block = _BLOCK[type_name][0]
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise InputTypeError(f"{what}: a row's length is an int number of values, got {n!r}")
     if n < 1:
         raise InputError(f"{what} of {n} values cannot be {type_name}: a row holds at least one value")
     if n % per_block:
@@ -117,6 +119,9 @@ def check_held(x: np.ndarray, raw: np.ndarray, type_name: str, what: str) -> Non
     which makes all 32 of its values NaN or inf; and where it holds a finite value for a NaN or inf of x (q8_0
     quantizes a non-finite value that does not make its block NaN to a finite one)."""
     x = np.asarray(x)  # as given: a float64 beyond float32's range is finite here and inf once stored
+    if x.ndim == 0 or not isinstance(raw, np.ndarray) or raw.shape[:-1] != x.shape[:-1]:
+        raise InputError(f"{what}: raw holds rows {getattr(raw, 'shape', None)} (bytes last) for values of shape "
+                         f"{x.shape}: one row of bytes per row of values")
     held = decode(raw, type_name, x.shape[-1])
     lost = np.isfinite(x) & ~np.isfinite(held)
     if lost.any():

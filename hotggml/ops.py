@@ -96,6 +96,8 @@ def _check_prec(prec: str) -> int:
 
 def get_prec(t: Tensor) -> str:
     """Requested precision of a flash_attn_train(_back) node: 'default' or 'f32'."""
+    if not isinstance(t, Tensor):
+        raise InputTypeError(f"get_prec needs a flash_attn_train(_back) node (a hotggml Tensor), got {type(t).__name__}")
     if t.op not in (op_id("FLASH_ATTN_TRAIN"), op_id("FLASH_ATTN_TRAIN_BACK")):
         raise InputError(f"get_prec needs a flash_attn_train(_back) node, got a {t.op_name} node")
     return PREC_NAME.get(int(t.graph.lib.ggml_flash_attn_train_get_prec(t.ptr)), "unknown")
@@ -138,6 +140,8 @@ def flash_attn_train(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
 
 def get_implicit_mask(t: Tensor) -> tuple[bool, int | None]:
     """(causal, window or None) of a flash_attn_train(_back) node, as its op_params say."""
+    if not isinstance(t, Tensor):
+        raise InputTypeError(f"get_implicit_mask needs a flash_attn_train(_back) node (a hotggml Tensor), got {type(t).__name__}")
     if t.op not in (op_id("FLASH_ATTN_TRAIN"), op_id("FLASH_ATTN_TRAIN_BACK")):
         raise InputError(f"get_implicit_mask needs a flash_attn_train(_back) node, got a {t.op_name} node")
     window = int(t.graph.lib.ggml_flash_attn_train_get_window(t.ptr))

@@ -156,8 +156,12 @@ class Server:
 
         if not isinstance(device, str) or not device:
             raise InputTypeError(f"device must be a registry device name (str), got {device!r}")
-        if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1):
-            raise InputError(f"n_threads must be a positive int, got {n_threads!r}")
+        from hotggml.graph import GGML_MAX_N_THREADS  # graph imports this module lazily: no cycle at load
+
+        if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool)
+                                      or not 1 <= n_threads <= GGML_MAX_N_THREADS):
+            # (more than ggml's thread pool holds: the server would die at its first graph)
+            raise InputError(f"n_threads must be an int in [1, {GGML_MAX_N_THREADS}], got {n_threads!r}")
         if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
             raise InputError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
         lib = load()

@@ -12,7 +12,7 @@ the requested backend is the CPU. The fallback CPU backend is opened and owned h
 
 from __future__ import annotations
 
-from hotggml.errors import BackendError, InputError
+from hotggml.errors import BackendError, InputError, InputTypeError
 from hotggml.ffi import ffi, load
 
 
@@ -24,14 +24,21 @@ class Scheduler:
     """One ``ggml_backend_sched`` over ``[backend, CPU]``, for graphs of up to ``graph_size`` nodes.
 
     ``graph_size`` bounds nodes + leafs of the graphs it schedules (ggml asserts it); Graph
-    passes twice its node budget. Raises BackendError (via Backend) when the CPU cannot open.
+    passes twice its node budget, at most ``GRAPH_SIZE_LIMIT``. Raises InputTypeError for a backend that is not
+    a hotggml Backend, UsageError for a closed one, InputError for a graph_size outside [1, GRAPH_SIZE_LIMIT]
+    (ggml aborts when it cannot allocate the hash set), BackendError (via Backend) when the CPU cannot open.
     """
+
+    GRAPH_SIZE_LIMIT = 1 << 24  # above what a Graph (twice MAX_NODES_LIMIT) or an Optimizer of one asks for
 
     def __init__(self, backend, graph_size: int):
         from hotggml.graph import Backend  # graph imports this module lazily: no cycle at load
 
-        if graph_size < 1:
-            raise InputError(f"graph_size must be >= 1, got {graph_size}")
+        if not isinstance(backend, Backend):
+            raise InputTypeError(f"backend must be a hotggml Backend, got {type(backend).__name__}")
+        backend.need_open()
+        if isinstance(graph_size, bool) or not isinstance(graph_size, int) or not 1 <= graph_size <= self.GRAPH_SIZE_LIMIT:
+            raise InputError(f"graph_size must be an int in [1, {self.GRAPH_SIZE_LIMIT}], got {graph_size!r}")
         self.lib = load()
         self._own_cpu = None if backend.device_name == "CPU" else Backend("CPU")
         self.backends = [backend] + ([self._own_cpu] if self._own_cpu else [])

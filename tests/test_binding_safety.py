@@ -174,6 +174,22 @@ CASES = {
         expect(ValueError, "of 0..3 (ints)", lambda: g.permute(g.input(np.ones((2, 2), np.float32)), 1.0, 0.0, 2.0, 3.0))
         from hotggml import rpc
         expect(ValueError, "start_timeout", lambda: rpc.Server("CPU", start_timeout="5"))
+        expect(ValueError, "n_threads must be an int in [1, 512]", lambda: rpc.Server("CPU", n_threads=100000))
+        huge = np.broadcast_to(np.float32(1), (2**20, 2**20, 2**10))  # 4 PiB as a view: refused before any copy
+        expect(ValueError, "is over", lambda: g.input(huge)); expect(ValueError, "is over", lambda: g.param(huge))
+        expect(ValueError, "is over", lambda: g.cache(huge, "q8_0")); expect(ValueError, "is over", lambda: g.cache(huge, "f32"))
+        expect(TypeError, "is not a dtype", lambda: g.input(np.ones(2), dtype="bogus"))
+        expect(TypeError, "is not a dtype", lambda: g.new_tensor((2,), dtype="bogus"))
+        expect(TypeError, "masked array filled first", lambda: g.input(np.ma.masked_array([1.0, 2.0], mask=[0, 1])))
+        expect(TypeError, "masked array filled first", lambda: g.cache(np.ma.masked_array(np.ones(32), mask=0), "f16"))
+        expect(TypeError, "scheduled must be a bool", lambda: Graph(be, scheduled="no"))
+        expect(TypeError, "get_prec needs a flash_attn_train", lambda: ops.get_prec(None))
+        expect(TypeError, "get_implicit_mask needs a flash_attn_train", lambda: ops.get_implicit_mask(None))
+        raw = kvcache.encode(np.ones((2, 32), np.float32), "f16")
+        expect(TypeError, "an int number of values", lambda: kvcache.decode(raw, "f16", 2.0))
+        expect(TypeError, "an int number of values", lambda: kvcache.row_bytes("f16", "2"))
+        expect(TypeError, "an int number of values", lambda: kvcache.check_row("f16", None))
+        expect(ValueError, "one row of bytes per row of values", lambda: kvcache.check_held(np.ones((3, 32)), raw, "f16", "c"))
         qq = g.input(np.ones((1, 4, 2, 32), np.float32)); kk = g.input(np.ones((1, 2, 6, 32), np.float32))
         expect(TypeError, "mask must be f16, got bf16", lambda: ops.flash_attn_train(g, qq, kk, kk, g.cache(np.zeros((4, 6)), "bf16"), 0.25))
         g.input(np.array([65519.0]), dtype=np.float16); g.input(np.array([65505]), dtype=np.float16)  # round to 65504
@@ -240,7 +256,7 @@ CASES = {
     "param refuses what input refuses, before converting": """
         g = Graph(be)
         expect(ValueError, "would become inf", lambda: g.param(np.array([1e39, 1.0])))
-        expect(TypeError, "cannot take object", lambda: g.param(None))
+        expect(TypeError, "as a NumPy array (a masked array filled first), got NoneType", lambda: g.param(None))
         expect(TypeError, "cannot take complex", lambda: g.param(np.array([1 + 2j])))
         expect(TypeError, "cannot take <U3", lambda: g.param(np.array(["1.5"])))
     """,
@@ -311,6 +327,42 @@ CASES = {
         g = Graph(mb, scheduled=True); x = g.input(a); g.split(x, 2)  # a permuted view of a split leaf, an output
         y = g.permute(x, 0, 2, 1, 3); g.build([y]); g.compute()
         assert np.array_equal(g.read(y), np.transpose(a, (0, 2, 1, 3)))
+    """,
+    # ggml-backend-meta.cpp: a CPU kernel read a meta buffer's tensor through its placeholder address (SIGSEGV);
+    # a leaf split on axis 3 reached GGML_ABORT in the meta buffer's set_tensor
+    "meta graphs: assign() to CPU, a split on axis 3": """
+        mb = Backend.meta(["CPU", "CPU"]); g = Graph(mb, scheduled=True)
+        x = g.input(np.ones((2, 1, 1, 4), np.float32)); y = g.add(x, x)
+        expect(ValueError, "split on another axis", lambda: g.split(x, 3))
+        g.build([y])
+        expect(ValueError, "assign() to " + mb.device_name + " only", lambda: g.assign(y, "CPU"))
+        g.assign(y, mb.device_name); g.compute(); assert (g.read(y) == 2).all()
+    """,
+    # an OutOfMemoryError from build() (the leaves' buffer) left a built Graph whose leaves had no memory:
+    # compute() returned zeros and set() never reached the device; now compute() uploads them first (or raises)
+    "build() out of memory for the leaves, then computed": """
+        import resource
+        from hotggml.errors import OutOfMemoryError
+        g = Graph(be); x = g.input(np.full(4, 3.0, np.float32)); g.input(np.zeros((256, 1024, 1024), np.float32))
+        y = g.add(x, x)
+        vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
+        expect(MemoryError, "input buffer allocation failed", lambda: g.build([y]))
+        expect(MemoryError, "input buffer allocation failed", g.compute)
+        g.set(x, np.ones(4, np.float32))
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        g.compute(); assert (g.read(y) == 2).all(), g.read(y)
+        g.set(x, np.full(4, 5.0, np.float32)); g.compute(); assert (g.read(y) == 10).all(), g.read(y)
+    """,
+    # ggml.c: ggml_hash_set_new aborts when it cannot allocate a scheduler's hash set
+    "a scheduler of absurd size": """
+        from hotggml.sched import Scheduler
+        expect(ValueError, "graph_size must be an int in [1, ", lambda: Scheduler(be, 2**40))
+        expect(ValueError, "graph_size must be an int", lambda: Scheduler(be, 0))
+        expect(TypeError, "must be a hotggml Backend", lambda: Scheduler("CPU", 10))
+        b2 = Backend("CPU"); b2.close()
+        expect(RuntimeError, "is closed", lambda: Scheduler(b2, 10))
     """,
 }
 
