@@ -1085,6 +1085,10 @@ class Graph:
             return
         buf = self.lib.ggml_backend_alloc_ctx_tensors(self.ctx_in, self.backend._ptr)
         if buf == ffi.NULL and self._leaves:
+            # ggml frees the buffers it made before one failed, and leaves its tensors' addresses in them (its
+            # next try skips a tensor with an address): those leaves are unplaced again, for the retry
+            for t in self._leaves:
+                t.ptr.data, t.ptr.buffer = ffi.NULL, ffi.NULL
             raise OutOfMemoryError("input buffer allocation failed on " + self.backend.device_name)
         self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free) if buf != ffi.NULL else None
         # uploaded once, now: the inputs' buffer is theirs alone (the graph's allocator never reuses it), so
@@ -1130,8 +1134,11 @@ class Graph:
         return ffi.gc(self.lib.ggml_gallocr_new(buft), self.lib.ggml_gallocr_free)
 
     def arena_bytes(self) -> int:
-        """Bytes the graph allocator needs for this graph on the backend (measured, nothing allocated)."""
+        """Bytes the graph allocator needs for this graph on the backend (measured, nothing allocated).
+        Raises OutOfMemoryError when the leaves' buffer, which build() could not allocate, still cannot be (the
+        leaves would be measured as part of the arena)."""
         self._need_graph()
+        self._need_uploaded()
         sizes = ffi.new("size_t[1]")
         # a throw-away allocator: one that measured without allocating cannot allocate afterwards
         self.lib.ggml_gallocr_reserve_n_size(self._new_allocator(), self.gf, ffi.NULL, ffi.NULL, sizes)
@@ -1169,7 +1176,7 @@ class Graph:
         if not isinstance(device_name, str):
             raise InputTypeError(f"device_name must be a str (a registry name such as 'CPU'), got {type(device_name).__name__}")
         sched = self._need_sched()
-        if self.backend.is_meta and device_name != self.backend.device_name:
+        if self.backend.is_meta and device_name.upper() != self.backend.device_name.upper():
             # the meta buffer's tensors have no memory of their own: a CPU kernel would read through their
             # placeholder addresses (SIGSEGV); the meta device runs each node on its devices' parts itself
             raise InputError(f"on the meta backend {self.backend.device_name} every node runs on the meta device, "

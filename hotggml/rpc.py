@@ -66,6 +66,9 @@ def _add(endpoint: str):
                            "which turns it on")
     # set once for the process: ggml-rpc shakes hands again whenever it reconnects (a backend, a buffer)
     os.environ.setdefault(HELLO_TIMEOUT_ENV, str(HELLO_TIMEOUT_MS))
+    if not re.fullmatch(r"\d{1,9}", os.environ[HELLO_TIMEOUT_ENV]):  # ggml-rpc would wait without limit
+        raise InputError(f"{HELLO_TIMEOUT_ENV} = {os.environ[HELLO_TIMEOUT_ENV]!r} is not a number of milliseconds "
+                         "(0: no limit)")
     said: list[str] = []
 
     @ffi.callback("void(enum ggml_log_level, const char *, void *)")
@@ -79,11 +82,11 @@ def _add(endpoint: str):
         lib.ggml_log_set(ffi.NULL, ffi.NULL)  # ggml's default logger again
     if server == ffi.NULL:
         peer = next((m.group(1) for line in said if (m := re.search(r"version mismatch: (\d+\.\d+\.\d+)", line))), None)
-        late = next((m.group(1) for line in said if (m := re.search(r"within GGML_RPC_HELLO_TIMEOUT_MS = (\d+) ms", line))), None)
+        late = next((m.group(1) for line in said if (m := re.search(r"sent nothing for GGML_RPC_HELLO_TIMEOUT_MS = (\d+) ms", line))), None)
         why = (f"the server speaks RPC {peer} and this ggml {proto_version()}: a peer of another build (stock ggml, "
                "or another fork) has other op ids" if peer else
-               f"no answer to the handshake within {HELLO_TIMEOUT_ENV} = {late} ms: the peer is no RPC server, or a "
-               "server busy with another client (it serves one at a time)" if late else
+               f"it sent nothing for {HELLO_TIMEOUT_ENV} = {late} ms during the handshake: the peer is no RPC "
+               "server, or a server busy with another client (it serves one at a time)" if late else
                f"no RPC server answered ({''.join(said).strip()})")
         raise BackendError(f"RPC server {endpoint} refused: {why}")
     return server
@@ -94,9 +97,10 @@ def add_server(endpoint: str) -> int:
 
     Raises InputTypeError / InputError for an endpoint that is not 'host:port', BackendError when this build
     has no RPC, and BackendError naming both versions when the server refuses the handshake (another build:
-    stock ggml, or another fork), cannot be reached, or does not answer it within GGML_RPC_HELLO_TIMEOUT_MS
-    milliseconds (30000 unless set in the environment: a peer that is no RPC server, or a server busy with
-    another client, since it serves one at a time).
+    stock ggml, or another fork), cannot be reached, or sends nothing for GGML_RPC_HELLO_TIMEOUT_MS
+    milliseconds during it (30000 unless set in the environment; each receive's limit, not the handshake's:
+    a peer that is no RPC server, or a server busy with another client, since it serves one at a time);
+    InputError when that variable is not a number of milliseconds.
     """
     return int(load().ggml_backend_reg_dev_count(_add(endpoint)))
 

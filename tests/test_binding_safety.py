@@ -336,7 +336,7 @@ CASES = {
         expect(ValueError, "split on another axis", lambda: g.split(x, 3))
         g.build([y])
         expect(ValueError, "assign() to " + mb.device_name + " only", lambda: g.assign(y, "CPU"))
-        g.assign(y, mb.device_name); g.compute(); assert (g.read(y) == 2).all()
+        g.assign(y, mb.device_name.lower()); g.compute(); assert (g.read(y) == 2).all()  # names as the scheduler's
     """,
     # an OutOfMemoryError from build() (the leaves' buffer) left a built Graph whose leaves had no memory:
     # compute() returned zeros and set() never reached the device; now compute() uploads them first (or raises)
@@ -350,6 +350,7 @@ CASES = {
         resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
         expect(MemoryError, "input buffer allocation failed", lambda: g.build([y]))
         expect(MemoryError, "input buffer allocation failed", g.compute)
+        expect(MemoryError, "input buffer allocation failed", g.arena_bytes)  # (it measured the leaves as arena)
         g.set(x, np.ones(4, np.float32))
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         g.compute(); assert (g.read(y) == 2).all(), g.read(y)

@@ -253,7 +253,7 @@ def test_backend_names_an_rpc_server_by_endpoint(fork_lib):
 
 
 SILENT = r'''
-import os, socket, time
+import os, socket, threading, time
 from hotggml import rpc
 from hotggml.errors import BackendError
 listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(4)  # takes connections, never answers
@@ -262,6 +262,12 @@ try:
     rpc.add_server(f"127.0.0.1:{listener.getsockname()[1]}")
 except BackendError as e:
     print(f"refused after {time.monotonic() - t0:.1f} s:", e)
+closer = socket.socket(); closer.bind(("127.0.0.1", 0)); closer.listen(4)  # takes a connection and closes it
+threading.Thread(target=lambda: closer.accept()[0].close(), daemon=True).start()
+try:
+    rpc.add_server(f"127.0.0.1:{closer.getsockname()[1]}")
+except BackendError as e:
+    print("closed:", e)
 with rpc.Server("CPU", n_threads=1) as s:  # the process connects again: nothing was left blocked
     print("devices", rpc.add_server(s.endpoint))
 '''
@@ -274,8 +280,11 @@ def test_a_peer_that_never_answers_the_handshake_is_refused_in_time(fork_lib):
     run = subprocess.run([sys.executable, "-c", SILENT], capture_output=True, text=True, timeout=120,
                          env={**_env(fork_lib), "GGML_RPC_HELLO_TIMEOUT_MS": "500"})
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    refused, devices = run.stdout.splitlines()
-    assert "refused: no answer to the handshake within GGML_RPC_HELLO_TIMEOUT_MS = 500 ms" in refused, refused
+    out = run.stdout
+    refused, closed = out[:out.index("\nclosed: ")], out[out.index("\nclosed: "):out.index("\ndevices ")]
+    devices = out.splitlines()[-1]
+    assert "refused: it sent nothing for GGML_RPC_HELLO_TIMEOUT_MS = 500 ms during the handshake" in refused, refused
+    assert "refused: no RPC server answered" in closed and "sent nothing" not in closed, closed  # not a timeout
     assert float(re.search(r"refused after ([\d.]+) s", refused).group(1)) < 10, refused
     assert devices == "devices 1", run.stdout
     env = {k: v for k, v in _env(fork_lib).items() if k != "GGML_RPC_HELLO_TIMEOUT_MS"}
@@ -284,6 +293,11 @@ def test_a_peer_that_never_answers_the_handshake_is_refused_in_time(fork_lib):
         "try:\n    rpc.add_server('127.0.0.1:1')\nexcept BackendError:\n    pass\n"
         "print(os.environ['GGML_RPC_HELLO_TIMEOUT_MS'])\n")], capture_output=True, text=True, timeout=120, env=env)
     assert run.stdout.strip() == "30000", run.stdout + run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", (
+        "from hotggml import rpc\nfrom hotggml.errors import InputError\n"
+        "try:\n    rpc.add_server('127.0.0.1:1')\nexcept InputError as e:\n    print(e)\n")],
+        capture_output=True, text=True, timeout=120, env={**env, "GGML_RPC_HELLO_TIMEOUT_MS": "30 s"})
+    assert "GGML_RPC_HELLO_TIMEOUT_MS = '30 s' is not a number of milliseconds" in run.stdout, run.stdout + run.stderr
 
 
 ZEROED = r'''
