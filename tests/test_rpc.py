@@ -316,19 +316,26 @@ def train(be):
             losses = [opt.step(x0, y0) for _ in range(4)]
             return losses, opt.read(w)
 
+xb = rng.standard_normal((700, 600)).astype(np.float32)  # 1.6 MiB: the RPC memset's fill goes in 1 MiB chunks
+
 def poisoned(be, scheduled=False):
     with Graph(be, scheduled=scheduled) as g:
-        x = g.param(x0); y = g.mul(x, x); s = g.sum(y)
-        g.build([y], s); g.compute(poison=[y]); return g.read(y).reshape(x0.shape), g.grad(x).reshape(x0.shape)
+        x = g.param(xb); y = g.mul(x, x); s = g.sum(y)
+        g.build([y], s); g.compute(poison=[y]); return g.read(y).reshape(xb.shape), g.grad(x).reshape(xb.shape)
 
 with rpc.Server("CPU", n_threads=1) as server:
     be = Backend(server.device_name); cpu = Backend("CPU")
     (l_rpc, w_rpc), (l_cpu, w_cpu) = train(be), train(cpu)
     print("trained", np.array_equal(w_rpc, w_cpu), l_rpc == l_cpu, bool(np.abs(w_rpc - w0).max() > 1e-3))
     (y_rpc, g_rpc), (y_cpu, g_cpu) = poisoned(be), poisoned(cpu)
-    print("poisoned", np.array_equal(y_rpc, x0 * x0), np.array_equal(g_rpc, 2 * x0), np.array_equal(g_rpc, g_cpu))
+    print("poisoned", np.array_equal(y_rpc, xb * xb), np.array_equal(g_rpc, 2 * xb), np.array_equal(g_rpc, g_cpu))
+    with Graph(be) as g:  # a partial memset at an offset, over more than one chunk, read back byte for byte
+        x = g.input(xb); g.build([g.add(x, x)]); g.compute()
+        g.lib.ggml_backend_tensor_memset(x.ptr, 0x3F, 4000, 3 << 19)
+        want = xb.copy().reshape(-1).view(np.uint8); want[4000:4000 + (3 << 19)] = 0x3F
+        print("memset", np.array_equal(g.read(x).reshape(-1).view(np.uint8), want))
     meta = Backend.meta([be.device_name, "CPU"])
-    print("meta poisoned", [np.array_equal(a, b) for a, b in zip(poisoned(meta, True), (x0 * x0, 2 * x0))])
+    print("meta poisoned", [np.array_equal(a, b) for a, b in zip(poisoned(meta, True), (xb * xb, 2 * xb))])
 '''
 
 
@@ -336,9 +343,10 @@ def test_an_optimizer_and_poison_through_rpc_match_the_cpu(fork_lib):
     """Patch rpc-memset-tensor: ggml_opt_init zeroes the gradients with ggml_set_zero, which asserted on an RPC
     buffer (no memset_tensor: the process aborted), as did compute(poison=) on a meta device over an RPC one.
     Now: four AdamW micro-batches (opt_period 2) through a localhost server give the CPU's weights and losses
-    bit for bit, the weights moved; poisoned nodes are recomputed, on RPC and on a meta device over RPC + CPU."""
+    bit for bit, the weights moved; poisoned nodes are recomputed, on RPC and on a meta device over RPC + CPU; a
+    memset of 1.5 MiB at an offset (two fill chunks) reads back byte for byte."""
     run = subprocess.run([sys.executable, "-c", ZEROED], capture_output=True, text=True, timeout=180,
                          env=_env(fork_lib))
     assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
-    assert run.stdout.splitlines() == ["trained True True True", "poisoned True True True",
+    assert run.stdout.splitlines() == ["trained True True True", "poisoned True True True", "memset True",
                                        "meta poisoned [True, True]"], run.stdout
