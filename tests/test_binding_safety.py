@@ -342,19 +342,21 @@ CASES = {
     # compute() returned zeros and set() never reached the device; now compute() uploads them first (or raises)
     "build() out of memory for the leaves, then computed": """
         import resource
-        from hotggml.errors import OutOfMemoryError
-        g = Graph(be); x = g.input(np.full(4, 3.0, np.float32)); g.input(np.zeros((256, 1024, 1024), np.float32))
-        y = g.add(x, x)
-        vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
-        expect(MemoryError, "input buffer allocation failed", lambda: g.build([y]))
-        expect(MemoryError, "input buffer allocation failed", g.compute)
-        expect(MemoryError, "input buffer allocation failed", g.arena_bytes)  # (it measured the leaves as arena)
-        g.set(x, np.ones(4, np.float32))
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        g.compute(); assert (g.read(y) == 2).all(), g.read(y)
-        g.set(x, np.full(4, 5.0, np.float32)); g.compute(); assert (g.read(y) == 10).all(), g.read(y)
+        # a meta backend: its static allocation asserted that each device's buffer was made (patch meta-alloc-failure)
+        for backend, scheduled in ((be, False), (Backend.meta(["CPU", "CPU"]), True)):
+            g = Graph(backend, scheduled=scheduled); x = g.input(np.full(4, 3.0, np.float32))
+            g.input(np.zeros((256, 1024, 1024), np.float32)); y = g.add(x, x)
+            vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
+            expect(MemoryError, "input buffer allocation failed", lambda: g.build([y]))
+            expect(MemoryError, "input buffer allocation failed", g.compute)
+            expect(MemoryError, "input buffer allocation failed", g.arena_bytes)  # (it measured the leaves as arena)
+            g.set(x, np.ones(4, np.float32))
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            g.compute(); assert (g.read(y) == 2).all(), g.read(y)
+            g.set(x, np.full(4, 5.0, np.float32)); g.compute(); assert (g.read(y) == 10).all(), g.read(y)
+            g.close()
     """,
     # ggml.c: ggml_hash_set_new aborts when it cannot allocate a scheduler's hash set
     "a scheduler of absurd size": """
