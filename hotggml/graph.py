@@ -501,7 +501,7 @@ def leaf_dtype(dtype, what: str) -> np.dtype:
     """np.dtype(dtype), or InputTypeError naming what for anything NumPy cannot read as one."""
     try:
         return np.dtype(dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise InputTypeError(f"{what}: {dtype!r} is not a dtype (float32, float16 or int32)") from exc
 
 

@@ -180,6 +180,7 @@ CASES = {
         expect(ValueError, "is over", lambda: g.cache(huge, "q8_0")); expect(ValueError, "is over", lambda: g.cache(huge, "f32"))
         expect(TypeError, "is not a dtype", lambda: g.input(np.ones(2), dtype="bogus"))
         expect(TypeError, "is not a dtype", lambda: g.new_tensor((2,), dtype="bogus"))
+        expect(TypeError, "is not a dtype", lambda: g.input(np.ones(2), dtype=("f4", -1)))
         expect(TypeError, "masked array filled first", lambda: g.input(np.ma.masked_array([1.0, 2.0], mask=[0, 1])))
         expect(TypeError, "masked array filled first", lambda: g.cache(np.ma.masked_array(np.ones(32), mask=0), "f16"))
         expect(TypeError, "scheduled must be a bool", lambda: Graph(be, scheduled="no"))
