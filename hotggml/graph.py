@@ -619,7 +619,8 @@ class Graph:
         if name is not None and not isinstance(name, str):
             raise InputTypeError(f"input name must be a str, got {type(name).__name__}")
         array = leaf_values(array, f"input {name or ''}")
-        dtype = leaf_dtype(dtype or array.dtype, f"input {name or ''}").newbyteorder("=")  # a byte-swapped float32 is float32
+        # a byte-swapped float32 is float32: converted
+        dtype = leaf_dtype(dtype or array.dtype, f"input {name or ''}").newbyteorder("=")
         if dtype not in _GGML_TYPES:
             raise InputTypeError(f"input {name or ''}: unsupported dtype {array.dtype}: use float32, float16 or int32")
         if self.gf is not None:
@@ -695,9 +696,10 @@ class Graph:
     def split(self, t: Tensor, axis: int, parts: list[int] | None = None) -> None:
         """Split leaf ``t`` (an input, param or cache of this Graph) across the devices of its meta backend along
         ``axis`` (0-2, ggml order: the meta backend copies no data split along axis 3): device j holds
-        ``parts[j]`` of its ``ne[axis]`` (default: equal parts). Every other leaf is mirrored (whole on each device). Before build(); hotggml.meta says what the meta backend
-        splits at this pin (the training ops by heads: q, k, v on axis 2, ``meta.heads_rule``), and build()
-        refuses a graph that a split would make ggml abort.
+        ``parts[j]`` of its ``ne[axis]`` (default: equal parts). Every other leaf is mirrored (whole on each
+        device). Before build(); hotggml.meta says what the meta backend splits at this pin (the training ops
+        by heads: q, k, v on axis 2, ``meta.heads_rule``), and build() refuses a graph that a split would make
+        ggml abort.
 
         Raises UsageError off a meta backend or after build(), InputTypeError for a tensor that is not a leaf
         of this Graph, InputError for an axis or parts that do not fit the tensor.
