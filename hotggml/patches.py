@@ -30,7 +30,7 @@ import git
 
 from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
-from hotggml.series import SERIES_FILE, check_lf, read_utf8, series_entries, series_hash  # noqa: F401 (re-exported)
+from hotggml.series import SERIES_FILE, check_lf, conflict_markers, read_utf8, series_entries, series_hash  # noqa: F401 (re-exported)
 
 SUFFIX = ".patch"
 WORK_BRANCH = "hotggml"
@@ -125,6 +125,10 @@ def parse_patch(path: Path | str) -> Patch:
     text = read_utf8(path)
     if not text.startswith("From "):
         raise PatchError(f"{path} is not `git format-patch` output: re-export it with `hotggml patches export`")
+    markers_left = conflict_markers(text)
+    if markers_left:
+        raise PatchError(f"{path} adds a merge conflict marker (line {markers_left[0]}): a conflict was committed "
+                         "unresolved; resolve it in the work tree, commit, and export again")
     subject, body = _split_message(text)
     name, markers, upstream = _trailers(body, path.name)
     if name != path.stem:

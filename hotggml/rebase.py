@@ -26,6 +26,7 @@ import git
 
 from hotggml import gitutil, patches, paths, pin, pin_record
 from hotggml.errors import PatchError, PinError
+from hotggml.series import conflict_markers
 
 NEW_PIN_REF = "refs/hotggml/new-pin"
 STATE_NAME = "pin-set"
@@ -208,6 +209,10 @@ def resume() -> Outcome:
     if unmerged:
         raise PatchError(f"still unresolved in {patches.default_tree()}: {', '.join(unmerged.split())}; edit them, "
                          "`git add` them, then `hotggml pin set --continue`")
+    marked = _files_with_conflict_markers(gitutil.run(repo, "diff", "--cached", "-U0"))
+    if marked:  # `git add`ed unresolved: git takes it, and the series would carry the markers
+        raise PatchError(f"conflict markers are still in what is staged in {patches.default_tree()} "
+                         f"({', '.join(marked)}): resolve them, `git add` again, then `hotggml pin set --continue`")
     if not (Path(repo.git_dir) / "rebase-merge").is_dir():
         return _finish(repo, state["record"])
     return _rebase(repo, ["rebase", "--continue"], state["record"])
@@ -297,6 +302,16 @@ def _patch_name(repo: git.Repo, sha: str) -> str:
         if line.startswith("Patch-Name:"):
             return line.split(":", 1)[1].strip()
     return sha[:12]
+
+
+def _files_with_conflict_markers(diff: str) -> list[str]:
+    """The files of a diff whose added lines hold merge conflict markers."""
+    files = []
+    for section in re.split(r"^diff --git ", diff, flags=re.M)[1:]:
+        target = re.search(r"^\+\+\+ (?:b/)?(.+)$", section, re.M)
+        if target and conflict_markers(section):
+            files.append(target.group(1))
+    return files
 
 
 def _clean_work_repo(tree: Path) -> git.Repo:

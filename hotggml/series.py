@@ -28,6 +28,12 @@ def check_lf(path: Path | str) -> None:
                          f"convert it (e.g. `sed -i 's/\\r$//' {path}`) and check your editor/git autocrlf setting")
 
 
+def conflict_markers(diff: str) -> list[int]:
+    """Line numbers (from 1) of a diff's added lines that are merge conflict markers (``<<<<<<< `` or
+    ``>>>>>>> `` at the start: a conflict `git add`ed unresolved)."""
+    return [n for n, line in enumerate(diff.split("\n"), start=1) if line.startswith(("+<<<<<<< ", "+>>>>>>> "))]
+
+
 def read_utf8(path: Path | str) -> str:
     """The text of a series or patch file; PatchError (not a traceback) for bytes that are not UTF-8."""
     data = Path(path).read_bytes()

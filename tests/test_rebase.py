@@ -143,6 +143,11 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
     # the same conflict, resolved with ordinary git: our side of the hunk, then --continue
     assert _hotggml(repo, env, "pin", "set", str(tarball)).returncode == 1
     work = tmp_path / "state" / "work" / "ggml"
+    # `git add`ed with its conflict markers: refused (the series carried them, and `patches check` passed)
+    subprocess.run(["git", "-C", str(work), "add", "src/ggml-alloc.c"], check=True)
+    run = _hotggml(repo, env, "pin", "set", "--continue")
+    assert run.returncode == 2 and "conflict markers are still in what is staged" in run.stderr, run.stderr[-2000:]
+    assert "src/ggml-alloc.c" in run.stderr
     text = (work / "src" / "ggml-alloc.c").read_text()
     start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
     end = text.index("\n", end) + 1
