@@ -368,6 +368,17 @@ def test_upstream_status_is_required(series_dir, old, new, match):
         patches.parse_patch(first)
 
 
+def test_a_patch_that_adds_conflict_markers_is_refused(series_dir):
+    """A conflict `git add`ed unresolved and exported: the series applied, the Markers were found, and `patches
+    check` passed; only a compile failed. The added lines `<<<<<<< ` / `>>>>>>> ` are refused by name."""
+    first = series_dir / FIRST
+    text = first.read_text()
+    hunk = text.index("\n+", text.index("\n@@ "))  # the first added line of the diff
+    first.write_text(text[:hunk] + "\n+<<<<<<< HEAD" + text[hunk:])
+    with pytest.raises(PatchError, match="adds a merge conflict marker"):
+        patches.parse_patch(first)
+
+
 def test_upstream_export_refuses_a_non_empty_folder(series_dir, tmp_path):
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "keep.txt").write_text("mine\n")
