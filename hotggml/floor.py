@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotggml.build import TestBuild
-from hotggml.errors import BuildError
+from hotggml.errors import BuildError, InputError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CASE = re.compile(r"^  (\S[^:]*?\)): (.*)$")  # "  OP(vars): status ..." (vars hold no ')')
@@ -39,6 +39,7 @@ class OpRun:
     crashed: bool = False
     returncode: int = 0
     messages: dict = field(default_factory=dict)  # failing case -> what test-backend-ops said (e.g. MAA = ...)
+    tested: bool = True  # the device was tested (test-backend-ops skips a backend of another name, and passes)
 
 
 @dataclass
@@ -106,7 +107,8 @@ def run_op(program: Path, mode: str, device: str, op: str, timeout: int = 900) -
         output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         rc = 124
     cases, messages = _parse(output)
-    return OpRun(cases, crashed=rc not in (0, 1), returncode=rc, messages=messages)
+    tested = re.search(r"^\s+Backend [^:]+: ", _ANSI.sub("", output), re.M) is not None  # its verdict line
+    return OpRun(cases, crashed=rc not in (0, 1), returncode=rc, messages=messages, tested=tested)
 
 
 def judge(op: str, stock: OpRun | list[OpRun] | None, patched: OpRun | list[OpRun]) -> OpVerdict:
@@ -148,7 +150,12 @@ def compare_ops(stock: TestBuild | None, patched: TestBuild, mode: str, device: 
     stock build (None), the patched runs alone: every case run must pass. ``progress`` is called after
     each op (a run over every op takes tens of minutes)."""
     stock_ops = set(list_ops(stock.test_backend_ops)) if stock is not None else set()
-    names = ops or list_ops(patched.test_backend_ops)
+    known = list_ops(patched.test_backend_ops)
+    unknown = [op for op in ops or [] if op not in known]
+    if unknown:  # test-backend-ops runs no case of an op it does not know, and passes
+        raise InputError(f"no op {', '.join(map(repr, unknown))} in test-backend-ops (names as ggml_op_desc gives "
+                         f"them: {', '.join(known[:6])}, ..., `test-backend-ops --list-ops` lists them)")
+    names = ops or known
     verdicts = []
     for i, op in enumerate(names, start=1):
         t0 = time.monotonic()
@@ -163,6 +170,9 @@ def compare_ops(stock: TestBuild | None, patched: TestBuild, mode: str, device: 
                     base.append(run_op(stock.test_backend_ops, mode, device, op))
                     mine.append(run_op(patched.test_backend_ops, mode, device, op))
                 v = judge(op, base, mine)
+        if not v.patched.tested and not v.patched.crashed:  # every op would pass, having run nothing
+            raise InputError(f"test-backend-ops tested no backend named {device!r} (it skips the others and "
+                             "passes): name one of the build's devices, e.g. CPU or CUDA0")
         verdicts.append(v)
         if progress is not None:
             progress(i, len(names), v, time.monotonic() - t0)

@@ -3,6 +3,8 @@ patched against stock. The runs themselves need builds with ggml's tests (`hotgg
 
 from __future__ import annotations
 
+import pytest
+
 from hotggml import floor
 
 OUT = """Testing 1 devices
@@ -73,6 +75,8 @@ def _fake_program(path, ops: dict[str, str]) -> "Path":
     lines = ["#!/bin/sh", 'if [ "$1" = --list-ops ]; then', "  echo 'Available ops:'"]
     lines += [f"  echo '  {op}'" for op in ops] + ["  exit 0", "fi", 'case "$3" in']
     lines += [f"  {op}) printf '%s\\n' '  {op}(x=1): {status}' ;;" for op, status in ops.items()] + ["esac"]
+    # its backend's verdict line, or "Skipping" for a device of another name (then it passes, having run nothing)
+    lines += ['if [ "$5" = CPU ]; then echo "  Backend CPU: OK"; else echo "  Skipping"; fi']
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path
@@ -94,3 +98,17 @@ def test_compare_ops_reports_each_op_as_it_ends(tmp_path):
     seen.clear()
     assert [v.ok for v in floor.compare_ops(None, patched, "grad", "CPU", progress=lambda *a: seen.append(a))] \
         == [True, False, True] and len(seen) == 3
+
+
+def test_compare_ops_refuses_an_op_or_a_device_that_runs_nothing(tmp_path):
+    """test-backend-ops runs no case of an unknown op (`-o flash_attn_train`: names are upper case) and skips a
+    backend of another name, and passes both: floor said "no regression" after 0 cases."""
+    from hotggml.build import TestBuild
+    from hotggml.errors import InputError
+
+    patched = TestBuild("patched", tmp_path, _fake_program(tmp_path / "patched", {"ADD": "OK"}))
+    with pytest.raises(InputError, match="no op 'add' in test-backend-ops"):
+        floor.compare_ops(None, patched, "grad", "CPU", ["add"])
+    with pytest.raises(InputError, match="tested no backend named 'NOPE'"):
+        floor.compare_ops(None, patched, "grad", "NOPE", ["ADD"])
+    assert [v.ok for v in floor.compare_ops(None, patched, "grad", "CPU", ["ADD"])] == [True]
