@@ -107,7 +107,7 @@ def run_op(program: Path, mode: str, device: str, op: str, timeout: int = 900) -
         output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         rc = 124
     cases, messages = _parse(output)
-    tested = re.search(r"^\s+Backend [^:]+: ", _ANSI.sub("", output), re.M) is not None  # its verdict line
+    tested = re.search(r"^[ \t]+Backend [^:\n]+: ", _ANSI.sub("", output), re.M) is not None  # its verdict line
     return OpRun(cases, crashed=rc not in (0, 1), returncode=rc, messages=messages, tested=tested)
 
 
