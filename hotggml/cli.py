@@ -321,8 +321,13 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _run_check(args: argparse.Namespace) -> int:
     from hotggml import patches
+    from hotggml.errors import PatchError
 
-    result = patches.check()
+    try:
+        result = patches.check()
+    except PatchError as exc:  # the series fails a check (apply, markers, canonical export): the gate's "no"
+        print(f"hotggml: error: {exc}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     print(f"ok: {len(result.commits)} patch(es) apply to pin {result.pin_commit[:12]}, markers present, "
           f"export canonical (series {result.series_hash[:12]})")
     return 0

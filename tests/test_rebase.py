@@ -195,3 +195,14 @@ def test_files_that_are_no_tarball_are_one_error_line_and_change_nothing(tmp_pat
     _hotggml(repo, env_tmp, "pin", "set", str(sdist), check=True)
     assert not list(scratch.glob("hotggml-new-pin-*")) and _snapshot(repo, tmp_path / "state") == before
 
+
+
+def test_patches_check_exits_1_when_the_series_fails_it(tmp_path, sdist):
+    """`patches check` is the series' gate: a failing check exits 1 (the help's "a check failed"), not 2 (which
+    says the command could not run); one error line naming the patch."""
+    repo, env = _clone(tmp_path, sdist)
+    first = repo / "patches" / "alloc-free-blocks.patch"
+    first.write_bytes(first.read_bytes().replace(b"\n", b"\r\n"))
+    run = _hotggml(repo, env, "patches", "check")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and "alloc-free-blocks.patch has CRLF" in lines[0], run.stderr
