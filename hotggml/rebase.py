@@ -323,7 +323,8 @@ def _clean_work_repo(tree: Path) -> git.Repo:
         raise PatchError(f"work tree {tree} has uncommitted changes ({', '.join(dirty[:10])}): commit and export "
                          "them, or discard them, before moving the pin")
     if patches.export(dry_run=True, tree=tree):
-        raise PatchError(f"work tree {tree} has commits not exported to patches/: `hotggml patches export` first")
+        raise PatchError(f"work tree {tree} and patches/ differ: `hotggml patches export` first if the work tree has "
+                         "the newer commits, `hotggml patches apply` if patches/ was edited since the tree was made")
     return repo
 
 
