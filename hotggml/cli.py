@@ -516,6 +516,9 @@ def _json_path(text: str) -> str:
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("an empty path: give a file name")
+    if text == "-":  # read as stdout by most tools: here it would be a file named '-' in this folder
+        raise argparse.ArgumentTypeError("'-' is no file name here (the report goes to a file; stdout has the table): "
+                                         "give a path, ./- for a file named '-'")
     try:
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder: give a file name")
@@ -525,7 +528,8 @@ def _json_path(text: str) -> str:
     except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
         raise argparse.ArgumentTypeError(f"{text} cannot be written: {exc}") from None
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: no such folder {parent}")
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder" if parent.exists()
+                                         else f"{text}: no such folder {parent}")
     existed = path.exists()
     try:  # opened for append, as the end of the run will: permissions, read-only or pseudo file systems
         with open(path, "a"):

@@ -5,6 +5,7 @@ interrupted), errors as one `hotggml: error:` line and never a traceback, test-b
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -60,6 +61,11 @@ def test_json_pointing_at_a_folder_is_refused_before_the_run(tmp_path):
     assert run.returncode == cli.EXIT_ERROR and "cannot be written" in run.stderr and "Traceback" not in run.stderr
     target = tmp_path / "fresh.json"  # the check leaves no file behind
     assert cli._json_path(str(target)) == str(target) and not target.exists()
+    # '-' (stdout to most tools) made a file named '-' here; a file where a folder should be was "no such folder"
+    (tmp_path / "file").write_text("x")
+    for path, said in (("-", "'-' is no file name here"), (str(tmp_path / "file" / "x.json"), "file is not a folder")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            cli._json_path(path)
 
 
 def test_list_prints_the_selected_cases_and_runs_nothing():
