@@ -731,7 +731,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     table_only = [flag for flag, given in (("--json", args.json), ("--profile", args.profile), ("--no-chain", args.no_chain),
                   ("--no-f32", args.no_f32), ("-p", args.pattern), ("--smem-caps", args.smem_caps)) if given]
     if table_only:  # they shape the table; the one case's paired timing would silently ignore them
-        print(f"hotggml: error: {', '.join(table_only)} need --set (the table); --case prints one paired timing",
+        print(f"hotggml: error: {', '.join(table_only)} {'needs' if len(table_only) == 1 else 'need'} --set (the "
+              "table); --case prints one paired timing",
               file=sys.stderr)
         return 2
     if args.list:

@@ -176,7 +176,7 @@ def _trailers(body: list[str], where: str) -> tuple[str, tuple[Marker, ...], str
     if not name:
         raise PatchError(f"{where} has no `Patch-Name: <name>` trailer: add one to the commit message")
     if not _NAME_RE.match(name):
-        raise PatchError(f"{where}: Patch-Name {name!r} is not a plain file stem (letters, digits, . _ -)")
+        raise PatchError(f"{where}: Patch-Name {name!r} is not a plain file stem (letters, digits, . _ -, starting with a letter or digit)")
     if not markers:
         raise PatchError(f"{where} declares no `Marker: <path>: <string>` trailer: add at least one "
                          f"string the patch puts in the tree, so CI can tell it is applied")

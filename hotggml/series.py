@@ -54,8 +54,11 @@ def series_entries(patches_dir: Path | str | None = None) -> list[str]:
     if not series.is_file():
         raise PatchError(f"{series} does not exist: create it with one patch file name a line")
     check_lf(series)
+    text = read_utf8(series)
+    if text.startswith("\ufeff"):  # invisible in an editor: the first name would not be found
+        raise PatchError(f"{series} starts with a UTF-8 byte order mark (an editor's): save it without one")
     entries = []
-    for line in read_utf8(series).splitlines():
+    for line in text.splitlines():
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue

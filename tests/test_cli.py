@@ -146,7 +146,7 @@ def test_bench_table_options_without_a_set_are_refused_not_ignored(flag, tmp_pat
     rows = tmp_path / "rows.json"
     run = _hotggml("bench", "--case", "tiny", *[str(rows) if f == "ROWS" else f for f in flag])
     assert run.returncode == cli.EXIT_ERROR and "Traceback" not in run.stderr
-    assert f"{flag[0]} need --set" in run.stderr and not rows.exists(), run.stderr
+    assert f"{flag[0]} needs --set" in run.stderr and not rows.exists(), run.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -379,6 +379,15 @@ def test_a_patch_that_adds_conflict_markers_is_refused(series_dir):
         patches.parse_patch(first)
 
 
+def test_a_series_with_a_byte_order_mark_is_named(series_dir):
+    """An editor's BOM before the first name: "listed in the series but there is no such .patch file", of a
+    file that plainly exists (the BOM is invisible)."""
+    series = series_dir / "series"
+    series.write_bytes("\ufeff".encode() + series.read_bytes())
+    with pytest.raises(PatchError, match="starts with a UTF-8 byte order mark"):
+        patches.load_series(series_dir)
+
+
 def test_upstream_export_refuses_a_non_empty_folder(series_dir, tmp_path):
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "keep.txt").write_text("mine\n")
