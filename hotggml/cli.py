@@ -936,6 +936,10 @@ def _run_pin_set(args: argparse.Namespace) -> int:
     print(f"pin set: ggml {record['tag']} (pin commit {record['pin_commit'][:12]}); the series is rebased and "
           "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced, its gitlink staged at "
           f"upstream {record['upstream_commit'][:12]}: commit patches/, hotggml/pin.json and vendor/ggml together")
+    if record["upstream_commit"] == record.get("tree"):  # a tarball without --upstream-commit
+        print(f"hotggml: note: {record['upstream_commit'][:12]} is the tarball's tree hash, not an upstream commit: no "
+              "clone can fetch it as vendor/ggml; pass --upstream-commit with upstream's commit of this tree",
+              file=sys.stderr)
     return EXIT_OK
 
 

@@ -153,7 +153,8 @@ def test_a_conflict_stops_names_the_patch_and_abort_restores_everything(tmp_path
     end = text.index("\n", end) + 1
     (work / "src" / "ggml-alloc.c").write_text(text[:start] + "#define MAX_FREE_BLOCKS 1024\n" + text[end:])
     subprocess.run(["git", "-C", str(work), "add", "src/ggml-alloc.c"], check=True)
-    _hotggml(repo, env, "pin", "set", "--continue", check=True)
+    run = _hotggml(repo, env, "pin", "set", "--continue", check=True)
+    assert "is the tarball's tree hash, not an upstream commit" in run.stderr, run.stderr  # no --upstream-commit
     exported = (repo / "patches" / "alloc-free-blocks.patch").read_text()
     assert "-#define MAX_FREE_BLOCKS 512" in exported and "+#define MAX_FREE_BLOCKS 1024" in exported
     _hotggml(repo, env, "patches", "check", check=True)
