@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -404,8 +405,9 @@ def _run_build(args: argparse.Namespace) -> int:
     extra = {}
     for item in args.define:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            print(f"hotggml: error: --define wants KEY=VALUE, got {item!r}", file=sys.stderr)
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):  # a CMake cache variable's name
+            print(f"hotggml: error: --define wants KEY=VALUE with KEY a CMake variable name, got {item!r}",
+                  file=sys.stderr)
             return 2
         extra[key] = value
     info = build.build(args.backend, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_defines=extra, tests=args.tests)
@@ -499,7 +501,6 @@ def add_parity_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _regex(text: str) -> str:
-    import re
 
     try:
         re.compile(text)

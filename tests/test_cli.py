@@ -376,3 +376,10 @@ def test_patches_status_without_a_work_tree_says_so(tmp_path):
     run = _hotggml("patches", "status", env={paths.STATE_ENV: str(tmp_path / "state")})
     assert run.returncode == 0 and "not applied" in run.stdout
     assert run.stdout.rstrip().endswith("no work tree there yet (`hotggml patches apply` makes it)")
+
+
+def test_a_define_whose_key_is_no_cmake_variable_is_refused_before_building():
+    """`-D 'A B=1'` started a new keyed build (CMake took it as some other variable, or failed minutes later)."""
+    for item in ("A B=1", "=1", "X-Y=2"):
+        run = _hotggml("build", "--backend", "cpu", "-D", item)
+        assert run.returncode == cli.EXIT_ERROR and "KEY a CMake variable name" in run.stderr, run.stderr[-1000:]
