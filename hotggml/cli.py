@@ -307,9 +307,10 @@ def _run_status(args: argparse.Namespace) -> int:
     from hotggml import patches
 
     report = patches.status()
+    width = max((len(entry.name) for entry in report), default=0)
     for entry in report:
         found = sum(present for _, present in entry.markers)
-        print(f"{entry.state:<14} {entry.name:<28} markers {found}/{len(entry.markers)}")
+        print(f"{entry.state:<14} {entry.name:<{width}}  markers {found}/{len(entry.markers)}")
         for marker, present in entry.markers:
             if not present:
                 print(f"{'':<14} missing marker {marker}")

@@ -1,4 +1,4 @@
-"""The series file and its hashes: series_hash (every byte: what the work repo was applied from) and
+"""The series file and its hashes: series_hash (entries and patch bytes: what the work repo was applied from) and
 code_hash (the patches' diffs: what keys builds and stamps a library).
 
 Kept apart from hotggml.patches (which drives git) so that the binding can check a library's stamp
@@ -69,14 +69,16 @@ def series_entries(patches_dir: Path | str | None = None) -> list[str]:
 
 
 def series_hash(patches_dir: Path | str | None = None) -> str:
-    """Return the sha256 (hex) over the series file and every listed patch's bytes, in order.
+    """Return the sha256 (hex) over the series' entries, in order, and every listed patch's bytes.
 
-    It keys builds and is stamped into the library, so any byte change in the series
-    gives a new hash. Raises PatchError as series_entries does, or when a file is missing.
+    What the work repo was applied from: any byte change in a listed patch, or a change to which
+    patches are listed or their order, gives a new hash; the series file's comments, blank lines
+    and spacing do not (they change nothing ``git am`` applies). Raises PatchError as
+    series_entries does, or when a listed file is missing.
     """
     patches_dir = Path(patches_dir or paths.PATCHES_DIR)
     entries = series_entries(patches_dir)
-    digest = hashlib.sha256((patches_dir / SERIES_FILE).read_bytes())
+    digest = hashlib.sha256(b"hotggml series v2")
     for entry in entries:
         path = patches_dir / entry
         if not path.is_file():

@@ -376,6 +376,9 @@ def test_patches_status_without_a_work_tree_says_so(tmp_path):
     run = _hotggml("patches", "status", env={paths.STATE_ENV: str(tmp_path / "state")})
     assert run.returncode == 0 and "not applied" in run.stdout
     assert run.stdout.rstrip().endswith("no work tree there yet (`hotggml patches apply` makes it)")
+    # the markers column lines up however long a name is (a 28-wide name column ran into it)
+    rows = [line for line in run.stdout.splitlines() if "markers " in line]
+    assert len(rows) > 1 and len({line.index(" markers ") for line in rows}) == 1, rows
 
 
 def test_a_define_whose_key_is_no_cmake_variable_is_refused_before_building():

@@ -279,6 +279,18 @@ def test_series_hash_changes_with_any_byte(series_dir):
     assert patches.series_hash(series_dir) != before
 
 
+def test_series_hash_ignores_series_layout_but_not_order(series_dir):
+    """Comments, blank lines and spacing in the series file apply nothing different (no "stale" after
+    them); listing the same patches in another order does."""
+    series = series_dir / "series"
+    before = patches.series_hash(series_dir)
+    names = [line for line in series.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    series.write_text("# reviewed\n\n" + "".join(f"  {name}   # ok\n" for name in names) + "\n")
+    assert patches.series_hash(series_dir) == before
+    series.write_text("".join(f"{name}\n" for name in [names[1], names[0], *names[2:]]))
+    assert patches.series_hash(series_dir) != before
+
+
 def test_cli_reports_errors_with_exit_code_2(capsys):
     assert cli.main(["patches", "export", "--dry-run"]) == 2  # no work tree in the isolated state dir
     assert capsys.readouterr().err.startswith("hotggml: error: ")
