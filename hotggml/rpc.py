@@ -83,10 +83,14 @@ def _add(endpoint: str):
     if server == ffi.NULL:
         peer = next((m.group(1) for line in said if (m := re.search(r"version mismatch: (\d+\.\d+\.\d+)", line))), None)
         late = next((m.group(1) for line in said if (m := re.search(r"sent nothing for GGML_RPC_HELLO_TIMEOUT_MS = (\d+) ms", line))), None)
+        unaccepted = next((m.group(1) for line in said
+                           if (m := re.search(r"did not accept the connection within GGML_RPC_HELLO_TIMEOUT_MS = (\d+) ms", line))), None)
         why = (f"the server speaks RPC {peer} and this ggml {proto_version()}: a peer of another build (stock ggml, "
                "or another fork) has other op ids" if peer else
                f"it sent nothing for {HELLO_TIMEOUT_ENV} = {late} ms during the handshake: the peer is no RPC "
                "server, or a server busy with another client (it serves one at a time)" if late else
+               f"it did not accept the connection within {HELLO_TIMEOUT_ENV} = {unaccepted} ms: the host drops it "
+               "(a firewall, a wrong address) or its listener's queue is full" if unaccepted else
                f"no RPC server answered ({''.join(said).strip()})")
         raise BackendError(f"RPC server {endpoint} refused: {why}")
     return server
@@ -97,8 +101,9 @@ def add_server(endpoint: str) -> int:
 
     Raises InputTypeError / InputError for an endpoint that is not 'host:port', BackendError when this build
     has no RPC, and BackendError naming both versions when the server refuses the handshake (another build:
-    stock ggml, or another fork), cannot be reached, or sends nothing for GGML_RPC_HELLO_TIMEOUT_MS
-    milliseconds during it (30000 unless set in the environment; each receive's limit, not the handshake's:
+    stock ggml, or another fork), cannot be reached, does not accept the connection within
+    GGML_RPC_HELLO_TIMEOUT_MS milliseconds, or sends nothing for that long during the handshake
+    (30000 unless set in the environment; each receive's limit, not the handshake's:
     a peer that is no RPC server, or a server busy with another client, since it serves one at a time);
     InputError when that variable is not a number of milliseconds.
     """

@@ -268,24 +268,36 @@ try:
     rpc.add_server(f"127.0.0.1:{closer.getsockname()[1]}")
 except BackendError as e:
     print("closed:", e)
+full = socket.socket(); full.bind(("127.0.0.1", 0)); full.listen(0)  # never accepts: its queue fills
+waiting = socket.create_connection(full.getsockname())  # the one connection the queue holds; later SYNs are dropped
+t0 = time.monotonic()
+try:
+    rpc.add_server(f"127.0.0.1:{full.getsockname()[1]}")
+except BackendError as e:
+    print(f"unaccepted after {time.monotonic() - t0:.1f} s:", e)
 with rpc.Server("CPU", n_threads=1) as s:  # the process connects again: nothing was left blocked
     print("devices", rpc.add_server(s.endpoint))
 '''
 
 
 def test_a_peer_that_never_answers_the_handshake_is_refused_in_time(fork_lib):
-    """Patch rpc-hello-timeout: a listener that takes the connection and never answers is refused within
+    """Patch rpc-hello-timeout: a listener that takes the connection and never answers, and one that never
+    accepts it, are refused within
     GGML_RPC_HELLO_TIMEOUT_MS, named, and the process connects to a real server afterwards (before the patch the
     client blocked forever, holding ggml-rpc's connection lock). Without the variable, hotggml sets 30 s."""
     run = subprocess.run([sys.executable, "-c", SILENT], capture_output=True, text=True, timeout=120,
                          env={**_env(fork_lib), "GGML_RPC_HELLO_TIMEOUT_MS": "500"})
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     out = run.stdout
-    refused, closed = out[:out.index("\nclosed: ")], out[out.index("\nclosed: "):out.index("\ndevices ")]
+    refused, closed = out[:out.index("\nclosed: ")], out[out.index("\nclosed: "):out.index("\nunaccepted ")]
+    unaccepted = out[out.index("\nunaccepted "):out.index("\ndevices ")]
     devices = out.splitlines()[-1]
     assert "refused: it sent nothing for GGML_RPC_HELLO_TIMEOUT_MS = 500 ms during the handshake" in refused, refused
     assert "refused: no RPC server answered" in closed and "sent nothing" not in closed, closed  # not a timeout
     assert float(re.search(r"refused after ([\d.]+) s", refused).group(1)) < 10, refused
+    # a host that drops the connection request held the caller for the system's SYN retries (minutes)
+    assert "refused: it did not accept the connection within GGML_RPC_HELLO_TIMEOUT_MS = 500 ms" in unaccepted, out
+    assert float(re.search(r"unaccepted after ([\d.]+) s", unaccepted).group(1)) < 10, unaccepted
     assert devices == "devices 1", run.stdout
     env = {k: v for k, v in _env(fork_lib).items() if k != "GGML_RPC_HELLO_TIMEOUT_MS"}
     run = subprocess.run([sys.executable, "-c", (
