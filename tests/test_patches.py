@@ -121,8 +121,7 @@ def test_apply_keeps_stashes_and_branches_with_commits_of_their_own(applied, pri
     # the tree is replaced whole when the series changes: a stash or a side branch in it went without a word
     repo = gitutil.open_repo(applied.tree)
     alloc = applied.tree / "src" / "ggml-alloc.c"
-    series = series_dir / "series"
-    series.write_text("# a comment: the series changed\n" + series.read_text())
+    edit(series_dir / FIRST, "Why:", "Why :")  # the series changed
     alloc.write_text(alloc.read_text() + "// wip\n")
     gitutil.run(repo, "stash", config={"user.name": "u", "user.email": "u@invalid"})
     with pytest.raises(PatchError, match="1 stash entry"):
