@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hotggml.errors import BackendError, ConnectionLostError, InputError, InputTypeError, OutOfMemoryError, UsageError
+from hotggml.errors import (BackendError, ConnectionLostError, HotggmlError, InputError, InputTypeError, OutOfMemoryError,
+                            UsageError)
 from hotggml.ffi import backend_proc, ffi, load
 
 GGML_MAX_DIMS = 4
@@ -64,8 +65,9 @@ class Backend:
     devices in the registry; BackendError when none answers or it is of another build); its ``device_name`` is
     then the registry's ('RPC0'), ``endpoint`` is 'host:port' (None for a local device) and ``remote`` the
     device behind it when a hotggml.rpc.Server of this process serves it ('CPU'; else None); InputError for a
-    malformed 'RPC[...]' name. A graph the server does not compute (it died, or the network failed) raises
-    ConnectionLostError from Graph.compute.
+    malformed 'RPC[...]' name. A server that no longer answers (it died, or the network failed) raises
+    ConnectionLostError: when the Backend is opened, and from Graph.build / compute / profile / read and the
+    Optimizer's calls afterwards (Backend.lost asks the server).
 
     Threads: a Backend computes one graph at a time. ggml's backends are not reentrant (the CPU
     backend's work buffer and thread pool are the backend's), so every compute on it (Graph.compute,
@@ -81,10 +83,11 @@ class Backend:
         if "\0" in device_name or not device_name.isprintable():  # C would read up to a NUL: another device
             raise InputError(f"device_name must be printable text without NUL, got {device_name!r}")
         if n_threads is not None:
-            if not isinstance(n_threads, int) or isinstance(n_threads, bool):
+            if not isinstance(n_threads, (int, np.integer)) or isinstance(n_threads, bool):
                 raise InputTypeError(f"n_threads must be an int, got {type(n_threads).__name__}")
             if not 1 <= n_threads <= GGML_MAX_N_THREADS:
                 raise InputError(f"n_threads must be in [1, {GGML_MAX_N_THREADS}], got {n_threads}")
+            n_threads = int(n_threads)
         from hotggml import meta
 
         lib = load()
@@ -120,11 +123,19 @@ class Backend:
         self._dev = dev
         if n_threads is not None and any(name != "CPU" for name in (self.meta_devices or (self.device_name,))):
             raise InputError("n_threads applies to the CPU backend only")
+        self.lib = lib
+        self.lock = threading.RLock()  # held across every compute on this backend (see the class docstring)
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
             raise BackendError(f"backend device {device_name!r} failed to initialise")
         # freed by close(), or by the garbage collector for a Backend never closed (never twice)
         self._finalizer = weakref.finalize(self, lib.ggml_backend_free, self._ptr)
+        # ggml-rpc makes a server's buffer type at its first use and gives NULL when the server does not answer
+        # then, which ggml asserts on (a first graph after the server died): made now, while it answers
+        if self.endpoint is not None and (lib.ggml_backend_get_default_buffer_type(self._ptr) == ffi.NULL or self.lost()):
+            self.close()
+            raise ConnectionLostError(f"the RPC server at {self.endpoint} does not answer (it died or closed the "
+                                      "connection): open a Backend once a server listens there")
         if n_threads is not None:
             reg = lib.ggml_backend_dev_backend_reg(_registry_device(lib, "CPU"))
             set_n_threads = backend_proc(reg, "ggml_backend_set_n_threads", "ggml_backend_set_n_threads_t")
@@ -136,7 +147,6 @@ class Backend:
                 for j in range(len(self.meta_devices)):
                     set_n_threads(lib.ggml_backend_meta_simple_backend(self._ptr, j), n_threads)
         self.n_threads = n_threads
-        self.lock = threading.RLock()  # held across every compute on this backend (see the class docstring)
 
     @classmethod
     def meta(cls, device_names, n_threads: int | None = None) -> "Backend":
@@ -259,9 +269,33 @@ class Backend:
         return precision
 
     def close(self) -> None:
-        """Free the backend (once; a Graph still holding it keeps it until that Graph is freed)."""
-        self._finalizer()
-        self._ptr = None
+        """Free the backend (once; a Graph still holding it keeps it until that Graph is freed). Waits for a
+        compute on it in another thread to end (``lock``)."""
+        with self.lock:
+            self._finalizer()
+            self._ptr = None
+
+    def lost(self) -> bool:
+        """Whether this is an RPC backend whose server no longer answers (it died, or the connection failed:
+        ggml-rpc then fails every call on it, and reads give NaN bytes). One round trip to the server (its
+        device memory); False for a local backend."""
+        if self.endpoint is None or self._ptr is None:
+            return False
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        self.lib.ggml_backend_dev_memory(self._dev, free, total)  # 0 from ggml-rpc when the server is gone
+        return total[0] == 0
+
+    def connection_lost(self, what: str) -> ConnectionLostError:
+        """The error for ``what`` failing because this RPC backend's server is gone (Backend.lost)."""
+        return ConnectionLostError(
+            f"{what} failed on {self.device_name}: the RPC server at {self.endpoint} no longer answers (it died, "
+            "closed the connection or refused a command); the buffers on it are lost: close this Graph and its "
+            "Backend, and open new ones once a server listens there")
+
+    def alloc_error(self, message: str) -> HotggmlError:
+        """The error for an allocation that failed on this backend: ConnectionLostError where its RPC server is
+        gone (ggml-rpc gives no buffer then), else OutOfMemoryError(message)."""
+        return self.connection_lost("an allocation") if self.lost() else OutOfMemoryError(message)
 
     def need_open(self) -> None:
         """RuntimeError when the backend was closed (its C object is freed)."""
@@ -273,6 +307,12 @@ class Backend:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def lost_among(backends, what: str) -> ConnectionLostError | None:
+    """Backend.connection_lost(what) of the first of ``backends`` whose RPC server is gone (Backend.lost), else None."""
+    lost = next((b for b in backends if b.lost()), None)
+    return lost.connection_lost(what) if lost is not None else None
 
 
 class _Native:
@@ -557,8 +597,9 @@ class Graph:
             if not isinstance(value, (bool, np.bool_)):
                 raise InputTypeError(f"{flag} must be a bool, got {type(value).__name__}")
         self.reserve_only = bool(reserve_only)
-        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 16 <= max_nodes <= self.MAX_NODES_LIMIT:
+        if not isinstance(max_nodes, (int, np.integer)) or isinstance(max_nodes, bool) or not 16 <= max_nodes <= self.MAX_NODES_LIMIT:
             raise InputError(f"max_nodes must be an int in [16, {self.MAX_NODES_LIMIT}], got {max_nodes!r}")
+        max_nodes = int(max_nodes)
         if not isinstance(backend, Backend):
             raise InputTypeError(f"backend must be a hotggml Backend, got {type(backend).__name__}")
         backend.need_open()
@@ -829,7 +870,8 @@ class Graph:
             self._pending = [(leaf, data if leaf.ptr == t.ptr else arr) for leaf, arr in self._pending]
         else:
             self.backend.need_open()
-            with interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred says why)
+            # the lock: an RPC backend's commands share one connection with a compute in another thread
+            with self.backend.lock, interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred)
                 self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), 0, data.nbytes)
         self._computed = False
 
@@ -849,9 +891,10 @@ class Graph:
             raise InputError("wrap got NULL: the ggml call failed")
         return Tensor(self, ptr)
 
-    def own(self, *tensors) -> None:
-        """Raise InputTypeError unless every argument is a Tensor of this (open) Graph, and InputError when
-        the context has no room left for the tensors one more call creates.
+    def own(self, *tensors, room: bool = True) -> None:
+        """Raise InputTypeError unless every argument is a Tensor of this (open) Graph, and (room) InputError
+        when the context has no room left for the tensors one more call creates (room=False: a call that
+        creates none, e.g. a read).
 
         A tensor of another graph lives in another context and buffer: ggml would read memory
         this graph never allocated (garbage), or freed memory. Every op method calls this before C.
@@ -863,7 +906,8 @@ class Graph:
                 raise InputTypeError(f"expected a hotggml Tensor, got {type(t).__name__}")
             if t.graph is not self:
                 raise InputTypeError("tensor belongs to another Graph")
-        self._room(self.ctx)
+        if room:
+            self._room(self.ctx)
 
     def _room(self, ctx) -> None:
         """InputError unless ctx can hold TENSORS_PER_CALL more tensor objects (ggml aborts when it cannot)."""
@@ -1030,6 +1074,14 @@ class Graph:
             raise InputError(f"the graph has {n_nodes} nodes and {n_leafs} leafs; max_nodes = {self.max_nodes} holds "
                              f"{room} forward nodes{' with their backward' if loss is not None else ''}: make the "
                              f"Graph with max_nodes >= {max(need, n_leafs)}")
+        # the graph object and autodiff's new tensors come from the context the op calls filled (tensors never
+        # built take room too): ggml aborts where they do not fit
+        need = self.lib.ggml_graph_overhead_custom(self.max_nodes, True) + (
+            self.lib.ggml_tensor_overhead() * n_nodes * BACKWARD_GROWTH if loss is not None else 0)
+        if self.lib.ggml_used_mem(self.ctx) + need > self._mem:
+            raise InputError(f"this Graph's context has no room left for the graph ({self.lib.ggml_used_mem(self.ctx)} "
+                             f"of {self._mem} bytes taken by tensor objects, most of them not in the graph): make the "
+                             f"Graph with a larger max_nodes (now {self.max_nodes})")
         self.gf = self.lib.ggml_new_graph_custom(self.ctx, self.max_nodes, True)
         for t in outputs:
             self.lib.ggml_set_output(t.ptr if t.ptr.view_src == ffi.NULL else t.ptr.view_src)
@@ -1091,7 +1143,7 @@ class Graph:
             # next try skips a tensor with an address): those leaves are unplaced again, for the retry
             for t in self._leaves:
                 t.ptr.data, t.ptr.buffer = ffi.NULL, ffi.NULL
-            raise OutOfMemoryError("input buffer allocation failed on " + self.backend.device_name)
+            raise self.backend.alloc_error("input buffer allocation failed on " + self.backend.device_name)
         self._in_buf = ffi.gc(buf, self.lib.ggml_backend_buffer_free) if buf != ffi.NULL else None
         # uploaded once, now: the inputs' buffer is theirs alone (the graph's allocator never reuses it), so
         # the NumPy copies are dropped instead of held beside it for the Graph's life
@@ -1174,7 +1226,7 @@ class Graph:
         Raises RuntimeError for an unscheduled Graph, ValueError for a backend the scheduler lacks or, on a meta
         backend, for any other device.
         """
-        self.own(t)
+        self.own(t, room=False)
         if not isinstance(device_name, str):
             raise InputTypeError(f"device_name must be a str (a registry name such as 'CPU'), got {type(device_name).__name__}")
         sched = self._need_sched()
@@ -1219,14 +1271,14 @@ class Graph:
         self._need_uploaded()
         if self._sched is not None:
             if not self._sched.alloc(self.gf):
-                raise OutOfMemoryError("graph allocation failed in the scheduler over "
-                                  + ", ".join(b.device_name for b in self._sched.backends))
+                raise lost_among(self._sched.backends, "the graph's allocation") or OutOfMemoryError(
+                    "graph allocation failed in the scheduler over " + ", ".join(b.device_name for b in self._sched.backends))
             self._placed = True
             return
         if self._galloc is None:
             self._galloc = self._new_allocator()
         if not self.lib.ggml_gallocr_alloc_graph(self._galloc, self.gf):
-            raise OutOfMemoryError("graph allocation failed on " + self.backend.device_name)
+            raise self.backend.alloc_error("graph allocation failed on " + self.backend.device_name)
 
     def _run(self) -> int:
         if self._sched is not None:
@@ -1271,7 +1323,7 @@ class Graph:
             try:
                 timed = sched.time_nodes(self.gf)
             except BackendError as exc:
-                raise BackendError(f"{exc} on {self.backend.device_name}") from None
+                raise lost_among(sched.backends, "profile()") or BackendError(f"{exc} on {self.backend.device_name}") from None
             self._computed = True
         return [(Tensor(self, ptr), secs) for ptr, secs in timed]
 
@@ -1315,10 +1367,11 @@ class Graph:
         Only inputs, parameters, build() outputs and gradients (or views of them) are readable: the
         allocator reuses every other node's memory once its consumers ran. Raises RuntimeError before
         compute() (nothing is allocated yet) or after close(), TypeError for a tensor of another Graph,
-        ValueError for a tensor whose memory is not kept.
+        ValueError for a tensor whose memory is not kept, ConnectionLostError on an RPC backend whose server
+        is gone (ggml-rpc would give NaN bytes).
         """
         self._need_graph()
-        self.own(t)
+        self.own(t, room=False)
         self._need_data("read()")
         if not self._computed:
             raise UsageError("call compute() before reading tensors")
@@ -1343,7 +1396,10 @@ class Graph:
             src, offs = (t.ptr, 0) if t.ptr.data != ffi.NULL else (t.ptr.view_src, int(t.ptr.view_offs))
             size, start = span, 0
         raw = np.empty(size, dtype=np.uint8)
-        self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, size)
+        with self.backend.lock:  # an RPC backend's commands share one connection with a compute in another thread
+            self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, size)
+            if self.backend.endpoint is not None and self.backend.lost():  # ggml-rpc gives NaN bytes (rpc-lost-server)
+                raise self.backend.connection_lost("read()")
         raw = raw[start:start + span]
         view = np.lib.stride_tricks.as_strided(raw.view(t.dtype) if span % itemsize == 0 else raw[: span - span % itemsize].view(t.dtype),
                                                shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
@@ -1355,7 +1411,7 @@ class Graph:
         Raises InputError for a computed node whose gradient build() did not keep, UsageError when build() was given no loss (there are no gradients at all), before build()
         or compute(), or after close(); InputTypeError for a tensor of another Graph."""
         self._need_graph()
-        self.own(t)
+        self.own(t, room=False)
         if self._loss is None:
             raise UsageError("this Graph was built without a loss: build(outputs, loss) to get gradients")
         g = self.lib.ggml_graph_get_grad(self.gf, t.ptr)
@@ -1373,9 +1429,11 @@ class Graph:
     _in_buf = property(lambda self: self._native.in_buf, lambda self, v: setattr(self._native, "in_buf", v))
 
     def close(self) -> None:
-        """Free the graph's contexts, buffers and scheduler (once); its tensors refuse any use afterwards."""
-        self._finalizer()
-        self.ctx = None
+        """Free the graph's contexts, buffers and scheduler (once); its tensors refuse any use afterwards.
+        Waits for a compute on its Backend in another thread to end (Backend.lock)."""
+        with self.backend.lock:
+            self._finalizer()
+            self.ctx = None
 
     def __enter__(self):
         return self

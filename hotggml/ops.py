@@ -179,6 +179,7 @@ def _view(node: Tensor, op: int, what: str, getter: str) -> Tensor:
     """One of the C view getters of a packed node, after checking the node's op (ggml asserts it)."""
     if not isinstance(node, Tensor):
         raise InputTypeError(f"{what} must be a hotggml Tensor, got {type(node).__name__}")
+    node.graph.own(node)  # a view is a tensor object: ggml aborts where the context has no room for it
     _need_op(node, op, what)
     return Tensor(node.graph, getattr(node.graph.lib, getter)(node.graph.ctx, node.ptr))
 
@@ -268,6 +269,9 @@ def back_grads(back: Tensor) -> str:
 
 
 def _grad_view(back: Tensor, which: str) -> Tensor:
+    if not isinstance(back, Tensor):
+        raise InputTypeError(f"back must be a hotggml Tensor, got {type(back).__name__}")
+    back.graph.own(back)  # a view is a tensor object: ggml aborts where the context has no room for it
     if which not in back_grads(back):  # ggml asserts it
         raise InputError(f"this backward node does not compute d{which.upper()} (it computes: "
                          f"{', '.join('d' + c.upper() for c in back_grads(back))})")

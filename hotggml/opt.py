@@ -41,7 +41,7 @@ import numpy as np
 from hotggml import autodiff
 from hotggml.errors import InputError, InputTypeError, OutOfMemoryError, UsageError
 from hotggml.ffi import ffi, load
-from hotggml.graph import (BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, check_attention_mask_values, ggml_shape,
+from hotggml.graph import (BACKWARD_GROWTH, FLAG_PARAM, Graph, Tensor, check_attention_mask_values, ggml_shape, lost_among,
                            interrupts_deferred, leaf_array, walk)
 
 GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE: the smallest static graphs ggml_opt_init is asked for (patch
@@ -198,6 +198,7 @@ class Optimizer:
         self.n_micro = 0  # micro-batches evaluated
         self._native = _Native(lib, graph)
         self._finalizer = weakref.finalize(self, self._native.free)
+        self._remote = graph.backend.endpoint is not None  # ggml_opt_eval gives no status: an RPC server is asked
         self._native.pars = ffi.new("struct ggml_opt_optimizer_params *")
         self.adamw = adamw
 
@@ -360,7 +361,8 @@ class Optimizer:
         loss but still the gradient softmax / rows); None for "mean"/"sum".
         Returns this micro-batch's loss (for the per-datapoint losses, undone from ggml-opt's 1/opt_period
         scaling: the loss of the micro-batch alone). Raises OutOfMemoryError when ggml cannot allocate the
-        training graph (nothing is computed; the Optimizer stays usable), InputError / InputTypeError for bad arrays (values
+        training graph (nothing is computed; the Optimizer stays usable), ConnectionLostError on an RPC backend
+        whose server is gone (ggml-opt reports no status: the server is asked after the step), InputError / InputTypeError for bad arrays (values
         that are not finite among them: one step on NaN or inf makes every weight NaN), UsageError when closed.
         """
         self._need_open()
@@ -375,16 +377,20 @@ class Optimizer:
         lib, opt = self.lib, self._native.opt
         with self.graph.backend.lock, interrupts_deferred():  # one graph at a time on a backend (hotggml.graph.Backend)
             if not lib.ggml_opt_alloc(opt, True):  # (patch opt-alloc-status) a graph ggml could not allocate
-                raise OutOfMemoryError("the training graph could not be allocated on "
+                raise lost_among(self._native.sched.backends, "the training graph's allocation") or OutOfMemoryError(
+                    "the training graph could not be allocated on "
                                        + ", ".join(b.device_name for b in self._native.sched.backends)
                                        + ": make the model or batch smaller (nothing was computed)")
             lib.ggml_backend_tensor_set(self.inputs.ptr, ffi.from_buffer(x), 0, x.nbytes)
             if self.loss in LABELLED:
                 lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
-            lib.ggml_opt_eval(opt, ffi.NULL)
+            lib.ggml_opt_eval(opt, ffi.NULL)  # (returns no status: an RPC server gone leaves NaN weights)
+            lost = self._remote and lost_among(self._native.sched.backends, "the optimizer step")
+            if lost:
+                raise lost
             self.n_micro += 1  # before a deferred interrupt is raised: the step was taken
-        out = ffi.new("float[1]")
-        lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
+            out = ffi.new("float[1]")
+            lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
         loss = float(out[0])
         if self.loss in PER_DATAPOINT:
             loss *= self.opt_period
@@ -393,13 +399,16 @@ class Optimizer:
     def read(self, t: Tensor) -> np.ndarray:
         """The current values of a param() or input() leaf of the graph (the params as trained so far), in
         NumPy shape. Raises InputError for a computed node (ggml-opt reuses their memory), UsageError when
-        closed."""
+        closed, ConnectionLostError on an RPC backend whose server is gone."""
         self._need_open()
-        self.graph.own(t)
+        self.graph.own(t, room=False)
         if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
             raise InputError("only param() and input() leaves keep their memory between steps: read those")
         out = np.empty(tuple(reversed(t.ne)), dtype=t.dtype)
-        self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
+        with self.graph.backend.lock:  # an RPC backend's commands share one connection with a step in another thread
+            self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
+            if self._remote and self.graph.backend.lost():  # ggml-rpc gives NaN bytes (rpc-lost-server)
+                raise self.graph.backend.connection_lost("read()")
         return out
 
     def write(self, t: Tensor, array: np.ndarray) -> None:
@@ -407,12 +416,12 @@ class Optimizer:
         Raises as ``read`` does, and InputError / InputTypeError for an array of another shape or kind, or with
         values that are not finite (-INF allowed in a leaf an attention mask is made of: Graph.mark_mask)."""
         self._need_open()
-        self.graph.own(t)
+        self.graph.own(t, room=False)
         if not any(_same(t.ptr, leaf.ptr) for leaf in self.graph._leaves):
             raise InputError("only param() and input() leaves can be written")
         a = self._array_for(t, array, "array")
         self._check_ids(t.ptr, a)
-        with interrupts_deferred():  # a meta device asks the split callback (hotggml.graph.interrupts_deferred)
+        with self.graph.backend.lock, interrupts_deferred():  # a meta device asks the split callback (interrupts_deferred)
             self.lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(a), 0, a.nbytes)
 
     def compute_bytes(self) -> int:
@@ -424,8 +433,10 @@ class Optimizer:
         return int(self.lib.ggml_backend_sched_get_buffer_size(sched._ptr, self.graph.backend._ptr))
 
     def close(self) -> None:
-        """Free ggml-opt's context, then the scheduler (once); every later call raises UsageError."""
-        self._finalizer()
+        """Free ggml-opt's context, then the scheduler (once); every later call raises UsageError. Waits for a
+        step on its Backend in another thread to end (Backend.lock)."""
+        with self.graph.backend.lock:
+            self._finalizer()
 
     def __enter__(self):
         return self

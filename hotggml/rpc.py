@@ -25,6 +25,8 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
+
 from hotggml.errors import BackendError, InputError, InputTypeError, UsageError
 from hotggml.ffi import backend_proc, ffi, load
 
@@ -167,11 +169,13 @@ class Server:
             raise InputTypeError(f"device must be a registry device name (str), got {device!r}")
         from hotggml.graph import GGML_MAX_N_THREADS  # graph imports this module lazily: no cycle at load
 
-        if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool)
+        if n_threads is not None and (not isinstance(n_threads, (int, np.integer)) or isinstance(n_threads, bool)
                                       or not 1 <= n_threads <= GGML_MAX_N_THREADS):
             # (more than ggml's thread pool holds: the server would die at its first graph)
             raise InputError(f"n_threads must be an int in [1, {GGML_MAX_N_THREADS}], got {n_threads!r}")
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+        n_threads = None if n_threads is None else int(n_threads)
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float, np.integer, np.floating)) \
+                or not start_timeout > 0:
             raise InputError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
         lib = load()
         if lib.ggml_backend_dev_by_name(device.encode()) == ffi.NULL:

@@ -99,7 +99,7 @@ class DemoConfig:
             raise InputError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if not isinstance(self.backend, str):
             raise InputError(f"backend must be a registry device name, got {self.backend!r}")
-        if not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < 1):
+        if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float, np.integer, np.floating)) and 0 < self.alpha < 1):
             raise InputError(f"alpha must be in (0, 1), got {self.alpha!r}")
 
     @property

@@ -779,3 +779,18 @@ def test_byte_swapped_float32_is_float32(cpu):
         g.build([y])
         g.compute()
         assert np.array_equal(g.read(y).reshape(x.shape), 2 * x.astype(np.float32))
+
+
+def test_numpy_scalars_go_where_python_numbers_do(lib):
+    """Backend(n_threads=), Graph(max_nodes=), rpc.Server(n_threads=, start_timeout=) and DemoConfig(alpha=)
+    took NumPy scalars for a wrong type (as window, reshape and AdamW already took them)."""
+    from hotggml import rpc
+    from hotggml.train_demo import DemoConfig
+
+    with Backend("CPU", n_threads=np.int64(2)) as be, Graph(be, max_nodes=np.int32(64)) as g:
+        assert be.n_threads == 2 and type(be.n_threads) is int and g.max_nodes == 64 and type(g.max_nodes) is int
+    with rpc.Server("CPU", n_threads=np.int64(1), start_timeout=np.float32(60)) as s:
+        assert s.endpoint.startswith("127.0.0.1:")
+    assert DemoConfig(alpha=np.float32(0.01)).alpha == np.float32(0.01)
+    with pytest.raises(InputError, match="alpha must be in"):
+        DemoConfig(alpha=True)

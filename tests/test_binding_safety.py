@@ -368,6 +368,48 @@ CASES = {
         b2 = Backend("CPU"); b2.close()
         expect(RuntimeError, "is closed", lambda: Scheduler(b2, 10))
     """,
+    # ggml.c:1771 GGML_ASSERT(obj_new): the packed nodes' view getters made a tensor object without asking for room
+    "views of packed nodes in a full context": """
+        rng = np.random.default_rng(0)
+        g = Graph(be, max_nodes=16)
+        q, k, v = (g.param(rng.standard_normal((1, 2, 4, 32), dtype=np.float32)) for _ in range(3))
+        f = ops.flash_attn_train(g, q, k, v, None, 0.1)
+        def views():
+            for _ in range(100):
+                ops.get_o(f); ops.get_lse(f)
+        expect(ValueError, "context is full", views)
+    """,
+    # ggml.c GGML_ASSERT(obj_new) in ggml_new_graph_custom: tensors never built filled the room of the graph object
+    "build() where unbuilt tensors took the graph's room": """
+        g = Graph(be); x = g.param(np.ones((2, 3), np.float32)); y = g.cont(x); L = g.sum(y)
+        G, ov = g.lib.ggml_graph_overhead_custom(g.max_nodes, True), g.lib.ggml_tensor_overhead()
+        while g.lib.ggml_used_mem(g.ctx) + ov <= g._mem - G:
+            g.cont(x)
+        expect(ValueError, "no room left for the graph", lambda: g.build([y], L))
+        g.read  # the Graph is not built: a bigger one is the way out
+        expect(RuntimeError, "call build() first", g.compute)
+    """,
+    # free(): corrupted lists / SIGSEGV: close() freed the backend (the graph) under a compute in another thread
+    "close() while another thread computes": """
+        import threading, time
+        rng = np.random.default_rng(0)
+        for which in ("backend", "graph"):
+            b = Backend("CPU", n_threads=2); g = Graph(b)  # a compute of ~0.1 s or more
+            q, k, v = (g.param(rng.standard_normal((1, 8, 1024, 64), dtype=np.float32)) for _ in range(3))
+            o = ops.get_o(ops.flash_attn_train(g, q, k, v, None, 0.125, causal=True))
+            g.build([o], g.dot_loss([(o, rng.standard_normal((1, 1024, 8, 64)).astype(np.float32))]))
+            started, errors = threading.Event(), []
+            def run():
+                try:
+                    for _ in range(5):
+                        started.set(); g.compute()
+                except RuntimeError as e:  # closed under it: UsageError, between two computes
+                    errors.append(str(e))
+            th = threading.Thread(target=run); th.start(); started.wait(); time.sleep(0.05)
+            (b if which == "backend" else g).close(); th.join()
+            assert all("closed" in e for e in errors), errors
+        print("raised", "nothing: close() waited")
+    """,
 }
 
 

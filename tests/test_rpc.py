@@ -362,3 +362,53 @@ def test_an_optimizer_and_poison_through_rpc_match_the_cpu(fork_lib):
     assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
     assert run.stdout.splitlines() == ["trained True True True", "poisoned True True True", "memset True",
                                        "meta poisoned [True, True]"], run.stdout
+
+
+DEAD = r'''
+import sys, time
+import numpy as np
+from hotggml import rpc
+from hotggml.errors import ConnectionLostError
+from hotggml.graph import Backend, Graph
+from hotggml.opt import Optimizer
+def lost(what, fn):
+    try:
+        out = fn()
+    except ConnectionLostError as e:
+        print(what, "lost:", e)
+    else:
+        print(what, "gave", out)
+def model(be):
+    g = Graph(be); x = g.input(np.zeros((4, 3), np.float32)); w = g.param(np.full((2, 3), .1, np.float32))
+    return g, x, w, g.mul_mat(w, x)
+def killed(s):
+    s.kill(); time.sleep(0.2)
+data = (np.ones((4, 3), np.float32), np.ones((4, 2), np.float32))
+s = rpc.Server("CPU", n_threads=1); be = Backend(s.device_name); g, x, w, y = model(be)
+killed(s); lost("build", lambda: g.build([y]))
+s = rpc.Server("CPU", n_threads=1); be = Backend(s.device_name); killed(s)
+gs = Graph(be, scheduled=True); xs = gs.input(np.ones(3, np.float32)); lost("scheduled", lambda: gs.build([gs.cont(xs)]))
+s = rpc.Server("CPU", n_threads=1); be = Backend(s.device_name); g, x, w, y = model(be); killed(s)
+lost("optimizer", lambda: Optimizer(g, x, y, loss="mse"))
+s = rpc.Server("CPU", n_threads=1); be = Backend(s.device_name); g, x, w, y = model(be)
+opt = Optimizer(g, x, y, loss="mse"); print("first step", opt.step(*data)); killed(s)
+lost("step", lambda: opt.step(*data)); lost("opt read", lambda: opt.read(w))
+s = rpc.Server("CPU", n_threads=1); be = Backend(s.device_name); g, x, w, y = model(be); g.build([y]); g.compute()
+killed(s); lost("read", lambda: g.read(y))
+s = rpc.Server("CPU", n_threads=1); ep = s.endpoint; Backend(s.device_name).close(); killed(s)
+lost("reopen", lambda: Backend(f"RPC[{ep}]"))
+'''
+
+
+def test_a_server_that_died_is_connection_lost_at_every_call(fork_lib):
+    """After the server died: build() of a Graph whose Backend never allocated (GGML_ASSERT(buft): ggml-rpc makes
+    the buffer type at its first use, NULL without a server), a scheduled Graph (ggml_backend_sched_new's assert),
+    an Optimizer (its leaves), a step (ggml_opt_eval gives no status: the loss and weights were NaN), read()
+    (NaN bytes) and a new Backend on the endpoint (it opened) all raise ConnectionLostError."""
+    run = subprocess.run([sys.executable, "-c", DEAD], capture_output=True, text=True, timeout=120, env=_env(fork_lib))
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    said = dict(line.split(" ", 1) for line in run.stdout.splitlines() if not line.startswith(("first step", "opt read")))
+    assert set(said) == {"build", "scheduled", "optimizer", "step", "read", "reopen"}, run.stdout
+    assert all(v.startswith("lost: ") and "RPC server at 127.0.0.1:" in v for v in said.values()), run.stdout
+    assert "opt read lost: " in run.stdout, run.stdout
+    assert abs(float(re.search(r"first step ([\d.]+)", run.stdout).group(1)) - 0.49) < 1e-6, run.stdout  # it trained
