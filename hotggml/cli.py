@@ -70,9 +70,11 @@ def _terminate_as_interrupt() -> None:
     import signal
     import threading
 
+    from hotggml.procs import deliver_interrupt
+
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+            signal.signal(sig, deliver_interrupt)
 
 
 def _stdout_closed() -> bool:

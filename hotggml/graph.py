@@ -20,6 +20,7 @@ import numpy as np
 from hotggml.errors import (BackendError, ConnectionLostError, HotggmlError, InputError, InputTypeError, OutOfMemoryError,
                             UsageError)
 from hotggml.ffi import backend_proc, ffi, load
+from hotggml.procs import deliver_interrupt
 
 GGML_MAX_DIMS = 4
 GGML_MAX_N_THREADS = 512  # ggml.h: a CPU thread pool holds at most this many threads
@@ -470,7 +471,7 @@ def interrupts_deferred():
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
         if pending:
-            signal.raise_signal(signal.SIGINT)  # the handler the caller had, as if the signal came now
+            deliver_interrupt(pending[0])  # to the handler the caller had, as if the signal came now
 
 
 def _blocked(t: "Tensor") -> int:

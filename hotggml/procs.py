@@ -1,4 +1,5 @@
-"""Processes a killed hotggml command leaves behind (Linux /proc; elsewhere these find nothing).
+"""Processes a killed hotggml command leaves behind (Linux /proc; elsewhere these find nothing), and the
+delivery of an interrupt (deliver_interrupt).
 
 `kill -9` of hotggml ends Python, not the processes it started: git (fetch, apply) or cmake, ninja and
 the compilers (build) go on writing into the folder the next run is about to reuse or remove. The next
@@ -13,6 +14,18 @@ import signal
 import time
 from pathlib import Path
 from hotggml.errors import HotggmlError
+
+
+def deliver_interrupt(signum: int, frame=None) -> None:
+    """Hand signum (SIGINT; SIGTERM or SIGHUP, which the CLI ends a command with as with Ctrl-C) to SIGINT's
+    handler now: KeyboardInterrupt, or a block that defers it (hotggml.graph.interrupts_deferred). Where SIGINT is
+    ignored, as a non-interactive shell starts its background jobs, a SIGINT is dropped but a termination still
+    raises KeyboardInterrupt (``kill`` and ``timeout`` would end nothing)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signum, frame)
+    elif signum != signal.SIGINT or handler != signal.SIG_IGN:
+        raise KeyboardInterrupt
 
 
 def _stat_fields(pid: int) -> list[str]:

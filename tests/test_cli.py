@@ -247,11 +247,13 @@ def test_an_error_in_the_command_is_one_line(monkeypatch, capsys):
     assert err.startswith("hotggml: error: [Errno 21] Is a directory: '/tmp'") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGTERM, SIGINT ignored"])
 def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path, how):
     """SIGINT while a build step runs: the step's process group (cmake, ninja, compilers; its own session, so
     the terminal's SIGINT does not reach it) is ended, and the command exits 130, not 'build failed'. SIGTERM
-    (timeout, kill) and SIGHUP (a closed terminal) end it the same way (they left the build tools running)."""
+    (timeout, kill) and SIGHUP (a closed terminal) end it the same way (they left the build tools running),
+    also where SIGINT is ignored, as a shell script's background job starts (they were passed to SIGINT's
+    disposition: ignored, so `kill` and `timeout` ended nothing)."""
     import signal
     import time
 
@@ -263,14 +265,15 @@ def test_ctrl_c_exits_130_and_ends_the_build_tools(tmp_path, how):
             "cli.build_parser = lambda only=None: parser\n"
             "parser._subparsers._group_actions[0].choices['probe'].set_defaults(func=step)\n"
             "sys.exit(cli.main(['probe']))\n")
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "ignored" in how else None
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)}, preexec_fn=ignore_sigint)
     pgid_file = tmp_path / ".build-pgid"
     deadline = time.monotonic() + 60
     while not pgid_file.is_file() and time.monotonic() < deadline:
         time.sleep(0.05)
     pgid = int(pgid_file.read_text())
-    proc.send_signal(getattr(signal, how))
+    proc.send_signal(getattr(signal, how.split(",")[0]))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == cli.EXIT_INTERRUPTED, err
     assert "interrupted" in err and "Traceback" not in err and "failed" not in err
