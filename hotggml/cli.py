@@ -153,7 +153,11 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"hotggml: error: {exc}" + (f" (the folder {setting} names)" if setting else ""), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
+        if args.func is _run_pin_set and _pin_set_in_progress():
+            print("hotggml: interrupted: the `hotggml pin set` is still in progress: finish it with `hotggml pin set "
+                  "--continue` or undo it with `hotggml pin set --abort`", file=sys.stderr)
+        else:
+            print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # git's own failure that no module put in words: still one line, never a traceback
         if type(exc).__name__ != "GitCommandError":
@@ -912,7 +916,27 @@ def _run_pin_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _pin_set_in_progress() -> bool:
+    from hotggml import rebase
+
+    return rebase.in_progress()
+
+
 def _run_pin_set(args: argparse.Namespace) -> int:
+    from hotggml import paths, rebase
+    from hotggml.errors import InputError
+
+    given = [name for name, value in (("SOURCE", args.source), ("--tag", args.tag),
+                                      ("--upstream-commit", args.upstream_commit)) if value is not None]
+    if (args.abort or args.resume) and given:  # the pin set in progress has its source and record already
+        raise InputError(f"{', '.join(given)} go with a new `pin set SOURCE`, not with "
+                         f"{'--abort' if args.abort else '--continue'}: the pin set in progress keeps what it started with")
+    # two pin sets at once rebased one work repo over each other: the second waits, then finds the first done
+    with paths.lock(rebase.state_dir(), "the `hotggml pin set` in progress"):
+        return _pin_set_locked(args)
+
+
+def _pin_set_locked(args: argparse.Namespace) -> int:
     from hotggml import rebase
     from hotggml.errors import InputError
 

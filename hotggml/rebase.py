@@ -183,6 +183,11 @@ def _stage_new_pin(repo, source: str, record: dict, origin: Path, is_tarball: bo
     same_commit = not is_tarball and record["upstream_commit"] == current["upstream_commit"]
     if record["tree"] == current["tree"] or same_commit:
         return Outcome("same", current)  # never a record of the same tree under an invented identity
+    cached = paths.cache_dir() / record["source"]["file"]
+    if is_tarball and cached.is_file() and pin.sha256_of(cached) != record["source"]["sha256"]:
+        # (the current pin's own sdist, say: overwritten, no fetch could make the old pin again, offline)
+        raise PinError(f"the cache holds another {cached.name} ({cached}): a source of its own name is another "
+                       "pin's; rename the tarball and run `hotggml pin set` again")
     state = state_dir()
     if state.exists():
         shutil.rmtree(state)
@@ -191,7 +196,7 @@ def _stage_new_pin(repo, source: str, record: dict, origin: Path, is_tarball: bo
     if is_tarball:
         cached = paths.cache_dir() / record["source"]["file"]
         cached.parent.mkdir(parents=True, exist_ok=True)
-        if not cached.is_file() or pin.sha256_of(cached) != record["source"]["sha256"]:
+        if not cached.is_file():
             shutil.copyfile(source, cached)  # fetch finds the new pin's source here from now on
     want = f"refs/heads/{pin.PIN_BRANCH}" if is_tarball else record["pin_commit"]
     gitutil.run(repo, "fetch", "--quiet", "--no-tags", str(origin), f"+{want}:{NEW_PIN_REF}",
@@ -355,8 +360,20 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+STATE_KEYS = ("record", "old_pin", "old_head")  # what --continue and --abort cannot do without
+
+
 def _read_state() -> dict:
+    path = state_dir() / "state.json"
     try:
-        return json.loads((state_dir() / "state.json").read_text())
+        state = json.loads(path.read_text())
     except FileNotFoundError:
         raise PinError("no `hotggml pin set` in progress") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        state = exc
+    if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
+        raise PinError(f"{path} is damaged (not the state a pin set writes): --continue and --abort cannot use it; "
+                       f"delete {state_dir()}, then `hotggml patches apply --force` rebuilds the work repo from "
+                       "patches/ (check `git status` of patches/ and hotggml/pin.json first: a pin set may have "
+                       "rewritten them)")
+    return state

@@ -207,3 +207,53 @@ def test_patches_check_exits_1_when_the_series_fails_it(tmp_path, sdist):
     run = _hotggml(repo, env, "patches", "check")
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and "alloc-free-blocks.patch has CRLF" in lines[0], run.stderr
+
+
+def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_path, sdist):
+    """A second `pin set` waits for the first (two at once rebased one work repo over each other and left a state
+    neither --continue nor --abort took); --continue / --abort with a SOURCE, --tag or --upstream-commit are
+    refused (they were dropped without a word); a damaged state.json is one line naming the way out (it was a
+    traceback); a tarball named like a cached sdist with other bytes is refused, the cache untouched (it
+    overwrote the current pin's sdist: no offline fetch could make the pin again)."""
+    import fcntl
+    import hashlib
+
+    repo, env = _clone(tmp_path, sdist)
+    state = tmp_path / "state"
+    tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _shift_above_hunk)
+    for args in (["pin", "set", str(tarball), "--continue"], ["pin", "set", "--abort", "--tag", "x"],
+                 ["pin", "set", "--continue", "--upstream-commit", "0" * 40]):
+        run = _hotggml(repo, env, *args)
+        assert run.returncode == 2 and "go with a new `pin set SOURCE`" in run.stderr, (args, run.stderr[-2000:])
+    # the lock a running pin set holds (hotggml.paths.lock's file for the pin-set folder), taken here
+    key = hashlib.sha1(str((state / "pin-set").resolve()).encode()).hexdigest()[:16]
+    (state / "locks").mkdir(parents=True, exist_ok=True)
+    with open(state / "locks" / f"{key}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-m", "hotggml", "pin", "set", str(tarball)], cwd=repo, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = proc.stderr.readline()
+        assert "waiting for the `hotggml pin set` in progress" in first, first
+        assert proc.poll() is None
+        fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "pin set: ggml" in out, err[-2000:]
+    _hotggml(repo, env, "patches", "check", check=True)
+
+    cached = state / "cache" / tarball.name  # the current pin's source now
+    before = hashlib.sha256(cached.read_bytes()).hexdigest()
+    impostor = tmp_path / "other" / tarball.name
+    impostor.parent.mkdir()
+    _new_pin_tarball(repo, impostor, _rewrite_hunk)
+    run = _hotggml(repo, env, "pin", "set", str(impostor))
+    assert run.returncode == 2 and f"the cache holds another {tarball.name}" in run.stderr, run.stderr[-2000:]
+    assert hashlib.sha256(cached.read_bytes()).hexdigest() == before
+    assert not (state / "pin-set").exists()
+
+    (state / "pin-set").mkdir()
+    (state / "pin-set" / "state.json").write_text("")
+    for flag in ("--abort", "--continue"):
+        run = _hotggml(repo, env, "pin", "set", flag)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and "state.json is damaged" in lines[0], run.stderr[-2000:]
+        assert f"delete {state / 'pin-set'}" in lines[0]
