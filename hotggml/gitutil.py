@@ -16,6 +16,7 @@ isolation above would otherwise hide them.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import functools
 import os
@@ -308,7 +309,7 @@ def paths_in_patch(text: str, new_files: bool = False) -> list[str]:
     (between `diff --git` and the first `@@`) are read, so a removed line whose text
     starts with "-- a/" is not taken for a path.
     """
-    prefixes = ("--- a/", "+++ b/") if new_files else ("--- a/",)
+    sides = ("--- ", "+++ ") if new_files else ("--- ",)
     found: list[str] = []
     in_header = False
     for line in text.splitlines():
@@ -316,11 +317,21 @@ def paths_in_patch(text: str, new_files: bool = False) -> list[str]:
             in_header = True
         elif line.startswith("@@"):
             in_header = False
-        elif in_header and line.startswith(prefixes):
-            path = line[6:].rstrip("\r")
-            if path not in found:
-                found.append(path)
+        elif in_header and line.startswith(sides):
+            path = _diff_header_path(line[4:].rstrip("\r"))
+            if path is not None and path[:2] == ("a/" if line[0] == "-" else "b/") and path[2:] not in found:
+                found.append(path[2:])
     return found
+
+
+def _diff_header_path(name: str) -> str | None:
+    """The path of a ---/+++ line's name as git writes it (diff.c): a tab after a name with a space in it,
+    C-quoted ("a/caf\\303\\251") where it holds a quote, a backslash, a control or non-ASCII byte; None for
+    /dev/null."""
+    name = name[:-1] if name.endswith("\t") else name
+    if len(name) > 1 and name[0] == name[-1] == '"':
+        name = codecs.escape_decode(name[1:-1].encode())[0].decode("utf-8", "surrogateescape")
+    return None if name == "/dev/null" else name
 
 
 def iter_lines_with_cr(data: bytes) -> Iterable[int]:

@@ -30,7 +30,8 @@ import git
 
 from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
-from hotggml.series import SERIES_FILE, check_lf, conflict_markers, read_utf8, series_entries, series_hash  # noqa: F401 (re-exported)
+from hotggml.series import (SERIES_FILE, check_lf, conflict_markers, patch_break, read_utf8, series_entries,  # noqa: F401
+                            series_hash)  # (re-exported)
 
 SUFFIX = ".patch"
 WORK_BRANCH = "hotggml"
@@ -505,7 +506,8 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
 
     Files are named from each commit's Patch-Name trailer and produced with fixed
     format-patch flags (gitutil.FORMAT_PATCH_ARGS), LF only; patches no longer in the
-    tree are deleted; the series keeps its leading comment block. Returns the files
+    tree are deleted; the series keeps its comments where its entries stay the same, else its leading
+    comment block. Returns the files
     that changed (dry_run: that would change; CI treats a non-empty list as stale).
     Raises PatchError: no work tree, uncommitted changes, a commit without Patch-Name
     or Markers, a merge, a duplicate name, or CR in a commit; and, writing, a git operation in
@@ -569,9 +571,11 @@ def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:
                              f"give each a unique Patch-Name")
         if not gitutil.changed_files(repo, sha):  # format-patch writes nothing for it: a 0-byte file apply refuses
             raise PatchError(f"commit {sha[:12]} ({filename}) changes no file: drop it or give it its change")
-        if any(line.strip() == "---" for line in gitutil.commit_message(repo, sha).split("\n")):
-            raise PatchError(f"commit {sha[:12]} ({filename}) has a `---` line in its message: format-patch output "
-                             f"ends the message there, so its trailers would be lost; reword that line")
+        breaks = [line for line in gitutil.commit_message(repo, sha).split("\n")[1:] if patch_break(line.encode())]
+        if breaks:
+            raise PatchError(f"commit {sha[:12]} ({filename}) has a line {breaks[0]!r} in its message: `git am` "
+                             f"ends the message at a line like it (`---`, `diff -`, `Index: `), so its trailers would "
+                             f"be lost; reword that line")
         data = gitutil.format_patch(repo, sha)
         if b"\r" in data:
             raise PatchError(f"commit {sha[:12]} ({filename}) contains CR characters: convert the files "
@@ -581,7 +585,12 @@ def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:
 
 
 def _series_text(series_path: Path, filenames: list[str]) -> str:
-    # Keep the leading comment block (explanations of the series); entries are canonical.
+    # The same patches in the same order: the file as it is (its comments, wherever they are). Else the leading
+    # comment block (explanations of the series) and canonical entries.
+    if series_path.is_file() and _old_entries(series_path.parent) == filenames:
+        text = read_utf8(series_path)
+        if text.endswith("\n"):
+            return text
     header = []
     if series_path.is_file():
         for line in read_utf8(series_path).splitlines():

@@ -62,6 +62,8 @@ def series_entries(patches_dir: Path | str | None = None) -> list[str]:
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
+        if "/" in entry or "\\" in entry or entry in (".", ".."):  # export removes and writes what it names
+            raise PatchError(f"{series} lists {entry!r}: an entry is a file name in {series.parent}, not a path")
         if entry in entries:
             raise PatchError(f"{series} lists {entry} twice: keep one line per patch")
         entries.append(entry)
@@ -90,14 +92,19 @@ def series_hash(patches_dir: Path | str | None = None) -> str:
     return digest.hexdigest()
 
 
+def patch_break(line: bytes) -> bool:
+    """Whether a line ends a mail's message, as git's mailinfo.c (patchbreak) decides: "diff -", "Index: ", a
+    "---" line with only whitespace after it, or "--- " before a file name (``git am`` starts the diff there)."""
+    return (line.startswith((b"diff -", b"Index: ")) or (line.startswith(b"---") and not line[3:].strip())
+            or (line.startswith(b"--- ") and len(line) > 4 and not line[4:5].isspace()))
+
+
 def _patch_start(data: bytes) -> int:
-    """Offset of the first line that ends a mail's message, as git's mailinfo.c (patchbreak) decides: "diff -",
-    "Index: ", a "---" line with only whitespace after it, or "--- " before a file name; 0 where there is none
-    (the whole file counts)."""
+    """Offset of the first line that ends a mail's message (patch_break); 0 where there is none (the whole
+    file counts)."""
     at = 0
     for line in data.splitlines(keepends=True):
-        if (line.startswith((b"diff -", b"Index: ")) or (line.startswith(b"---") and not line[3:].strip())
-                or (line.startswith(b"--- ") and len(line) > 4 and not line[4:5].isspace())):
+        if patch_break(line):
             return at
         at += len(line)
     return 0

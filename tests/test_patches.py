@@ -113,8 +113,14 @@ def test_export_refuses_commits_the_series_could_not_take_back(applied, series_d
     alloc = applied.tree / "src" / "ggml-alloc.c"
     alloc.write_text(alloc.read_text() + "// odd\n")
     gitutil.commit_all(repo, "odd\n\nwhy\n---\nmore\n\n" + trailers, pin.PIN_IDENTITY)
-    with pytest.raises(PatchError, match="`---` line in its message"):
+    with pytest.raises(PatchError, match="has a line '---' in its message"):
         patches.export(series_dir, dry_run=True, tree=applied.tree)
+    # git am ends the message at these too (mailinfo's patchbreak): the export failed `check` later
+    for line in ("Index: explain things", "diff -u is how it was made"):
+        gitutil.run(repo, "commit", "-q", "--amend", "-m", f"odd\n\nwhy\n{line}\n\n" + trailers,
+                    config={"user.name": "u", "user.email": "u@invalid"})
+        with pytest.raises(PatchError, match=f"has a line '{line}' in its message"):
+            patches.export(series_dir, dry_run=True, tree=applied.tree)
 
 
 def test_apply_keeps_stashes_and_branches_with_commits_of_their_own(applied, pristine, series_dir):
@@ -423,3 +429,38 @@ def test_code_hash_follows_git_am_not_the_diff_header(tmp_path):
     assert series.code_hash(d) == first
     (d / "a.patch").write_text(head + body % 3)
     assert series.code_hash(d) != first
+
+
+def test_a_patch_on_names_git_quotes_exports_and_checks(applied, pristine, series_dir):
+    """git writes a name with a space with a tab after it on the ---/+++ lines, and one with a non-ASCII byte or a
+    quote C-quoted: such a patch exported, then failed `check` ("applied but left docs/sp ace/my file.txt<TAB>
+    unchanged"), however regenerated."""
+    repo = gitutil.open_repo(applied.tree)
+    for rel in ("docs/sp ace/my file.txt", "docs/caf\u00e9 \"q\".txt"):
+        path = applied.tree / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("marker-space\n")
+    gitutil.commit_all(repo, "odd names\n\nWhy: names git quotes.\n\nPatch-Name: odd-names\nUpstream-Status: fork-only\n"
+                             "Marker: docs/sp ace/my file.txt: marker-space\n", pin.PIN_IDENTITY)
+    assert patches.export(series_dir, tree=applied.tree)
+    assert gitutil.paths_in_patch((series_dir / "odd-names.patch").read_text(), new_files=True) == [
+        "docs/caf\u00e9 \"q\".txt", "docs/sp ace/my file.txt"]
+    patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
+@pytest.mark.parametrize("entry", ["/tmp/elsewhere/x.patch", "../x.patch", "sub/x.patch", "..\\x.patch"])
+def test_a_series_entry_is_a_file_name_not_a_path(series_dir, entry):
+    """export removed a file a path in the series named, outside patches/ (`removed /tmp/.../x.patch`)."""
+    series = series_dir / "series"
+    series.write_text(series.read_text() + entry + "\n")
+    with pytest.raises(PatchError, match="an entry is a file name in .*, not a path"):
+        patches.series_entries(series_dir)
+
+
+def test_comments_between_entries_stay_and_pass_check(pristine, series_dir):
+    """A comment or blank line between entries (the series documents `#` comments): export dropped it, so
+    `check` failed with "export is not canonical ... changes series", naming no cause."""
+    series = series_dir / "series"
+    lines = series.read_text().splitlines()
+    series.write_text("\n".join([lines[0], "", "# the backward fixes:", lines[1] + "  # why this one", *lines[2:]]) + "\n")
+    patches.check(patches_dir=series_dir, pin_dir=pristine)
