@@ -964,6 +964,10 @@ def _pin_set_locked(args: argparse.Namespace) -> int:
     print(f"pin set: ggml {record['tag']} (pin commit {record['pin_commit'][:12]}); the series is rebased and "
           "re-exported to patches/, hotggml/pin.json rewritten, vendor/ggml replaced, its gitlink staged at "
           f"upstream {record['upstream_commit'][:12]}: commit patches/, hotggml/pin.json and vendor/ggml together")
+    if outcome.dropped:
+        print(f"hotggml: note: the rebase left out {', '.join(outcome.dropped)} (a resolution emptied it, or it was "
+              "skipped): it is no longer in patches/series (`git diff patches/` shows it; `git checkout patches/` "
+              "and `hotggml pin set` again to keep it)", file=sys.stderr)
     if record["upstream_commit"] == record.get("tree"):  # a tarball without --upstream-commit
         print(f"hotggml: note: {record['upstream_commit'][:12]} is the tarball's tree hash, not an upstream commit: no "
               "clone can fetch it as vendor/ggml; pass --upstream-commit with upstream's commit of this tree",

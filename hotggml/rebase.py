@@ -40,6 +40,7 @@ class Outcome:
     record: dict
     patch: str | None = None       # the patch whose commit stopped the rebase
     files: tuple[str, ...] = ()    # its conflicting files
+    dropped: tuple[str, ...] = ()  # done: patches of the old series the rebase left out (emptied, or skipped)
 
 
 def state_dir() -> Path:
@@ -281,6 +282,9 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
     point is finished by --continue (or undone by --abort)."""
     gitutil.set_ref(repo, pin.PIN_REF, record["pin_commit"])
     patches.export(tree=patches.default_tree(), force=True)  # patches/ may already hold this export (--continue)
+    # git drops a commit a resolution emptied (or one `git rebase --skip`ped) without a word: said by name
+    before = patches.series_entries(state_dir() / "patches") if (state_dir() / "patches").is_dir() else []
+    dropped = tuple(name for name in before if name not in patches.series_entries())
     series = patches.series_hash()
     gitutil.config_set(repo, {patches.CONFIG_SERIES: series, patches.CONFIG_PIN: record["pin_commit"],
                               patches.CONFIG_HEAD: gitutil.rev_parse(repo, "HEAD")})
@@ -299,7 +303,7 @@ def _finish(repo: git.Repo, record: dict) -> Outcome:
     work.close()
     (state_dir() / "state.json").unlink()
     shutil.rmtree(state_dir(), ignore_errors=True)
-    return Outcome("done", record)
+    return Outcome("done", record, dropped=dropped)
 
 
 def _patch_name(repo: git.Repo, sha: str) -> str:

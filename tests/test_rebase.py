@@ -240,6 +240,16 @@ def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_pa
     assert proc.returncode == 0 and "pin set: ggml" in out, err[-2000:]
     _hotggml(repo, env, "patches", "check", check=True)
 
+    # a conflict resolved with upstream's side empties the patch: git drops it, and the pin set says so now
+    conflicting = _new_pin_tarball(repo, tmp_path / "ggml-conf.tar.gz", _rewrite_hunk)
+    assert _hotggml(repo, env, "pin", "set", str(conflicting)).returncode == 1
+    work = state / "work" / "ggml"
+    subprocess.run(["git", "-C", str(work), "checkout", "--ours", "src/ggml-alloc.c"], check=True)
+    subprocess.run(["git", "-C", str(work), "add", "src/ggml-alloc.c"], check=True)
+    run = _hotggml(repo, env, "pin", "set", "--continue", check=True)
+    assert "the rebase left out alloc-free-blocks.patch" in run.stderr, run.stderr[-2000:]
+    assert "alloc-free-blocks.patch" not in (repo / "patches" / "series").read_text()
+
     cached = state / "cache" / tarball.name  # the current pin's source now
     before = hashlib.sha256(cached.read_bytes()).hexdigest()
     impostor = tmp_path / "other" / tarball.name
