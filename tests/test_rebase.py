@@ -221,6 +221,7 @@ def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_pa
     repo, env = _clone(tmp_path, sdist)
     state = tmp_path / "state"
     tarball = _new_pin_tarball(repo, tmp_path / "ggml-next.tar.gz", _shift_above_hunk)
+    conflicting = _new_pin_tarball(repo, tmp_path / "ggml-conf.tar.gz", _rewrite_hunk)  # of the first pin's tree
     for args in (["pin", "set", str(tarball), "--continue"], ["pin", "set", "--abort", "--tag", "x"],
                  ["pin", "set", "--continue", "--upstream-commit", "0" * 40]):
         run = _hotggml(repo, env, *args)
@@ -241,7 +242,6 @@ def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_pa
     _hotggml(repo, env, "patches", "check", check=True)
 
     # a conflict resolved with upstream's side empties the patch: git drops it, and the pin set says so now
-    conflicting = _new_pin_tarball(repo, tmp_path / "ggml-conf.tar.gz", _rewrite_hunk)
     assert _hotggml(repo, env, "pin", "set", str(conflicting)).returncode == 1
     work = state / "work" / "ggml"
     subprocess.run(["git", "-C", str(work), "checkout", "--ours", "src/ggml-alloc.c"], check=True)
