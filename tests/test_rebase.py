@@ -254,7 +254,7 @@ def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_pa
     before = hashlib.sha256(cached.read_bytes()).hexdigest()
     impostor = tmp_path / "other" / tarball.name
     impostor.parent.mkdir()
-    _new_pin_tarball(repo, impostor, _rewrite_hunk)
+    _new_pin_tarball(repo, impostor, lambda text: text + "// other bytes\n")
     run = _hotggml(repo, env, "pin", "set", str(impostor))
     assert run.returncode == 2 and f"the cache holds another {tarball.name}" in run.stderr, run.stderr[-2000:]
     assert hashlib.sha256(cached.read_bytes()).hexdigest() == before
