@@ -39,7 +39,8 @@ NEEDS_CHECKOUT = {"fetch", "patches", "prepare", "build", "floor", "pin"}
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away (| head)
 
-EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check, train-demo); 2 a usage or
+EPILOG = """exit status: 0 ok; 1 a check failed (parity, probe, floor, patches check, train-demo), patches export
+--dry-run found stale patches, pin set stopped at a conflict; 2 a usage or
 input error, or a step that could not run (the message says which); 130 interrupted (Ctrl-C); 141 stdout
 closed by its reader (| head), quietly."""
 

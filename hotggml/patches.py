@@ -636,6 +636,8 @@ def export_upstream(out_dir: Path | str, patches_dir: Path | str | None = None) 
 
     Raises PatchError (the series' own errors, or a non-empty out_dir).
     """
+    if not str(out_dir).strip():  # Path("") is ".": the patches would land wherever the command ran
+        raise PatchError("the folder for the upstream patches is named by an empty string: give a folder")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise PatchError(f"{out_dir} is not empty: give an empty or new folder for the upstream patches")

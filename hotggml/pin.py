@@ -178,7 +178,7 @@ def fetch(sdist: Path | str | None = None, *, dest: Path | str | None = None,
         protect_gitlink()
     if sdist is not None:  # named on purpose: checked even when the tree is the pin already (no silent "verified")
         if not Path(sdist).is_file():
-            raise PinError(f"{sdist}: {_not_a_file(Path(sdist))} (the sdist tarball {record['source']['file']})")
+            raise PinError(f"{str(sdist) or repr(sdist)}: {_not_a_file(Path(sdist))} (the sdist tarball {record['source']['file']})")
         got = sha256_of(Path(sdist))
         if got != record["source"]["sha256"]:
             raise PinError(f"{sdist} is not the pin's sdist {record['source']['file']} (sha256 {got}, expected "
@@ -325,6 +325,8 @@ def _find_tarball(sdist: Path | str | None, cache: Path, use_pip: bool, record: 
 
 def _not_a_file(path: Path) -> str:
     """Why `path`, which is not a regular file, cannot be read as a tarball, in words."""
+    if not str(path).strip() or str(path) == ".":  # Path("") is "."
+        return "an empty name, not the tarball"
     return "a directory, not the tarball" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
 
 

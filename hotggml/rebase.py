@@ -151,6 +151,7 @@ def start(source: str, *, tag: str | None = None, upstream: str | None = None) -
     """
     if in_progress():
         raise PinError("a `hotggml pin set` is in progress: finish it with --continue or undo it with --abort")
+    upstream = upstream.lower() if upstream is not None else None  # git writes ids in lower case
     if upstream is not None and not re.fullmatch(r"[0-9a-f]{40}", upstream):  # stored in the record and the gitlink
         raise PinError(f"--upstream-commit must be a full 40-hex-digit commit id, got {upstream!r}")
     tree = patches.default_tree()

@@ -389,3 +389,14 @@ def test_a_define_whose_key_is_no_cmake_variable_is_refused_before_building():
     for item in ("A B=1", "=1", "X-Y=2"):
         run = _hotggml("build", "--backend", "cpu", "-D", item)
         assert run.returncode == cli.EXIT_ERROR and "KEY a CMake variable name" in run.stderr, run.stderr[-1000:]
+
+
+def test_empty_names_are_named_as_such(tmp_path):
+    """`fetch --sdist ""` said ": a directory"; `patches export --upstream ""` wrote the patches into the folder the
+    command ran from (Path("") is ".")."""
+    run = _hotggml("fetch", "--sdist", "")
+    assert run.returncode == cli.EXIT_ERROR and "'': an empty name, not the tarball" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "hotggml", "patches", "export", "--upstream", ""], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == cli.EXIT_ERROR and "named by an empty string" in run.stderr, run.stderr
+    assert not list(tmp_path.iterdir())
