@@ -39,6 +39,7 @@ COMMITTER = gitutil.Identity("hotggml", "hotggml@invalid", "")  # date: the patc
 CONFIG_SERIES = "hotggml.serieshash"
 CONFIG_PIN = "hotggml.pin"
 CONFIG_HEAD = "hotggml.head"
+CONFIG_EXPORTING = "hotggml.exporting"  # the HEAD an export is writing into patches/ (unset when it is done)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TRAILER_RE = re.compile(r"^(Patch-Name|Marker|Upstream-Status):[ \t]*(.*?)\s*$")
@@ -531,8 +532,13 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
     changed = [out_dir / name for name, data in outputs.items() if _read(out_dir / name) != data]
     removed = [out_dir / name for name in _old_entries(out_dir) if name not in outputs and (out_dir / name).exists()]
     if not dry_run:
+        ours = out_dir.resolve() == paths.PATCHES_DIR.resolve()
+        if ours:  # a cut-off export is finished by the next, not taken for a hand edit of patches/
+            gitutil.config_set(repo, {CONFIG_EXPORTING: gitutil.rev_parse(repo, "HEAD")})
         _write_all(out_dir, outputs, changed, removed)
         _record_export(repo, out_dir)
+        if ours:
+            gitutil.run(repo, "config", "--local", "--unset-all", CONFIG_EXPORTING)
     return changed + removed
 
 
@@ -555,6 +561,8 @@ def _check_exportable(repo: git.Repo, tree: Path, out_dir: Path, force: bool) ->
         current = series_hash(out_dir)
     except PatchError:
         current = None
+    if gitutil.config_get(repo, CONFIG_EXPORTING) == gitutil.rev_parse(repo, "HEAD"):
+        return  # an export of these very commits was cut off while writing: this one finishes it
     if recorded and current != recorded:
         raise PatchError(f"{out_dir} changed since the work tree {tree} was made or exported from it: exporting "
                          f"would overwrite or delete those changes. `hotggml patches apply` brings the tree up to "

@@ -464,3 +464,28 @@ def test_comments_between_entries_stay_and_pass_check(pristine, series_dir):
     lines = series.read_text().splitlines()
     series.write_text("\n".join([lines[0], "", "# the backward fixes:", lines[1] + "  # why this one", *lines[2:]]) + "\n")
     patches.check(patches_dir=series_dir, pin_dir=pristine)
+
+
+def test_an_export_cut_off_while_writing_is_finished_by_the_next(applied, series_dir, monkeypatch):
+    """An export stopped between its patch files and the series (a kill, a full disk) left patches/ half
+    written; the next export took that for a hand edit ("changed since the work tree was made") and so did
+    apply: only --force got out."""
+    monkeypatch.setattr(paths, "PATCHES_DIR", series_dir)
+    repo = gitutil.open_repo(applied.tree)
+    alloc = applied.tree / "src" / "ggml-alloc.c"
+    alloc.write_text(alloc.read_text() + "// more\n")
+    gitutil.run(repo, "commit", "-q", "-a", "--amend", "--no-edit", config={"user.name": "u", "user.email": "u@invalid"})
+    real = patches._write_all
+
+    def cut_off(out_dir, outputs, changed, removed):
+        real(out_dir, outputs, [path for path in changed if path.name != "series"], [])
+        raise KeyboardInterrupt
+
+    # the series' last patch rewritten (the amend moved the commit ids in its header), the series not yet
+    monkeypatch.setattr(patches, "_write_all", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        patches.export(series_dir, tree=applied.tree)
+    monkeypatch.setattr(patches, "_write_all", real)
+    patches.export(series_dir, tree=applied.tree)
+    assert patches.export(series_dir, dry_run=True, tree=applied.tree) == []
+    assert "// more" in (series_dir / patches.series_entries(series_dir)[-1]).read_text()
