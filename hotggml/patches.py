@@ -471,8 +471,9 @@ def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None =
     shash = series_hash(patches_dir)
     pin_path = Path(pin_dir) if pin_dir else paths.VENDOR_DIR
     pin_sha = pin.verify(pin_path)
-    with tempfile.TemporaryDirectory(prefix="hotggml-check-") as scratch:
-        result = _build_tree(Path(scratch) / "ggml", series, shash, pin_path, pin_sha)
+    scratch = procs.scratch_dir("hotggml-check-")
+    try:
+        result = _build_tree(scratch / "ggml", series, shash, pin_path, pin_sha)
         for patch in series:  # a marker the pristine pin holds already proves nothing about its patch
             found = [marker for marker in patch.markers if _marker_present(pin_path, marker)]
             if found:
@@ -484,6 +485,8 @@ def check(*, patches_dir: Path | str | None = None, pin_dir: Path | str | None =
                 raise PatchError(f"{patch.path.name}: marker {lost[0].text!r} in {lost[0].path} is gone from the "
                                  f"fully patched tree: a later patch removed it (fix that patch or the Marker)")
         differs = export(patches_dir, dry_run=True, tree=result.tree)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if differs:
         raise PatchError(f"export is not canonical: re-exporting the applied series changes "
                          f"{', '.join(path.name for path in differs)}: run `hotggml patches apply` then "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from hotggml.errors import HotggmlError
@@ -100,6 +101,18 @@ def _is_git(pid: int) -> bool:
         return Path(f"/proc/{pid}/comm").read_text().strip().startswith("git")
     except OSError:
         return False
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new private folder in the system's temporary folder, named prefix + this pid (the caller removes it).
+    The folders of the same prefix whose process is gone are removed first: a `kill -9` runs no cleanup, and
+    each left tens of MB (a patched tree, a pin's extracted tarball) for good."""
+    root = Path(tempfile.gettempdir())
+    for stale in root.glob(f"{prefix}*"):
+        owner = stale.name[len(prefix):].split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not alive(int(owner)) and stale.is_dir():
+            remove_tree(stale)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
 
 
 def remove_tree(folder: Path) -> None:

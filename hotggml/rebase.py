@@ -18,13 +18,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import git
 
-from hotggml import gitutil, patches, paths, pin, pin_record
+from hotggml import gitutil, patches, paths, pin, pin_record, procs
 from hotggml.errors import PatchError, PinError
 from hotggml.series import conflict_markers
 
@@ -88,7 +87,7 @@ def _tree_prefix(tarball: Path) -> str:
 def _record_for_tarball(tarball: Path, tag: str | None, upstream: str | None) -> tuple[dict, Path]:
     """The new pin's record, and a repository holding its commit (made exactly as fetch will make it)."""
     prefix = _tree_prefix(tarball)
-    scratch = Path(tempfile.mkdtemp(prefix="hotggml-new-pin-"))
+    scratch = procs.scratch_dir("hotggml-new-pin-")
     try:
         return _record_in(scratch, tarball, prefix, tag, upstream), scratch
     except BaseException:  # a bad tree, a failed git or Ctrl-C: the scratch copy (tens of MB) goes with it

@@ -148,3 +148,24 @@ def test_pin_set_killed_anywhere_aborts_to_the_old_pin_or_continues_to_the_new(s
     assert "three lines inserted" in (repo / "vendor" / "ggml" / "src" / "ggml-alloc.c").read_text()
     _hotggml(repo, env, "fetch", check=True)
     _hotggml(repo, env, "patches", "check", check=True)
+
+
+def test_scratch_folders_of_killed_runs_are_removed_by_the_next(tmp_path, monkeypatch):
+    """`kill -9` of `patches check` or `pin set` left its scratch tree (tens of MB) in the temporary folder for
+    good: the next run's scratch_dir removes those whose process is gone, never a live one's."""
+    import tempfile
+
+    from hotggml import procs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"hotggml-check-{dead.pid}-abc"
+    (left / "ggml").mkdir(parents=True)
+    live = tmp_path / f"hotggml-check-{os.getppid()}-def"
+    live.mkdir()
+    other = tmp_path / f"hotggml-new-pin-{dead.pid}-ghi"
+    other.mkdir()
+    made = procs.scratch_dir("hotggml-check-")
+    assert made.is_dir() and made.name.startswith(f"hotggml-check-{os.getpid()}-")
+    assert not left.exists() and live.is_dir() and other.is_dir()  # another prefix is another command's
