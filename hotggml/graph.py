@@ -125,18 +125,24 @@ class Backend:
         if n_threads is not None and any(name != "CPU" for name in (self.meta_devices or (self.device_name,))):
             raise InputError("n_threads applies to the CPU backend only")
         self.lib = lib
-        self.lock = threading.RLock()  # held across every compute on this backend (see the class docstring)
+        # held across every compute on this backend (see the class docstring); one per RPC endpoint: ggml-rpc
+        # sends every Backend's commands to a server over one connection, which two threads would interleave
+        self.lock = _endpoint_lock(self.endpoint) if self.endpoint is not None else threading.RLock()
         self._ptr = lib.ggml_backend_dev_init(dev, ffi.NULL)
         if self._ptr == ffi.NULL:
             raise BackendError(f"backend device {device_name!r} failed to initialise")
         # freed by close(), or by the garbage collector for a Backend never closed (never twice)
         self._finalizer = weakref.finalize(self, lib.ggml_backend_free, self._ptr)
         # ggml-rpc makes a server's buffer type at its first use and gives NULL when the server does not answer
-        # then, which ggml asserts on (a first graph after the server died): made now, while it answers
-        if self.endpoint is not None and (lib.ggml_backend_get_default_buffer_type(self._ptr) == ffi.NULL or self.lost()):
-            self.close()
-            raise ConnectionLostError(f"the RPC server at {self.endpoint} does not answer (it died or closed the "
-                                      "connection): open a Backend once a server listens there")
+        # then, which ggml asserts on (a first graph after the server died): made now, once per endpoint and
+        # process (ggml keeps it; later Backends ask nothing of the server here)
+        if self.endpoint is not None:
+            with self.lock:
+                made = lib.ggml_backend_get_default_buffer_type(self._ptr) != ffi.NULL
+            if not made:
+                self.close()
+                raise ConnectionLostError(f"the RPC server at {self.endpoint} does not answer (it died or closed the "
+                                          "connection): open a Backend once a server listens there")
         if n_threads is not None:
             reg = lib.ggml_backend_dev_backend_reg(_registry_device(lib, "CPU"))
             set_n_threads = backend_proc(reg, "ggml_backend_set_n_threads", "ggml_backend_set_n_threads_t")
@@ -279,11 +285,14 @@ class Backend:
     def lost(self) -> bool:
         """Whether this is an RPC backend whose server no longer answers (it died, or the connection failed:
         ggml-rpc then fails every call on it, and reads give NaN bytes). One round trip to the server (its
-        device memory); False for a local backend."""
+        device memory), under ``lock``; a new connection and handshake where no buffer holds one, which a
+        server busy with another client answers only after GGML_RPC_HELLO_TIMEOUT_MS (then True). False for a
+        local backend. The binding asks only after a call failed or read NaN bytes."""
         if self.endpoint is None or self._ptr is None:
             return False
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
-        self.lib.ggml_backend_dev_memory(self._dev, free, total)  # 0 from ggml-rpc when the server is gone
+        with self.lock:
+            self.lib.ggml_backend_dev_memory(self._dev, free, total)  # 0 from ggml-rpc when the server is gone
         return total[0] == 0
 
     def connection_lost(self, what: str) -> ConnectionLostError:
@@ -310,6 +319,16 @@ class Backend:
         self.close()
 
 
+_endpoint_locks: dict[str, threading.RLock] = {}
+_endpoint_locks_guard = threading.Lock()
+
+
+def _endpoint_lock(endpoint: str) -> threading.RLock:
+    """The lock of every Backend of an RPC endpoint (Backend.lock), made once per process."""
+    with _endpoint_locks_guard:
+        return _endpoint_locks.setdefault(endpoint, threading.RLock())
+
+
 def lost_among(backends, what: str) -> ConnectionLostError | None:
     """Backend.connection_lost(what) of the first of ``backends`` whose RPC server is gone (Backend.lost), else None."""
     lost = next((b for b in backends if b.lost()), None)
@@ -323,6 +342,9 @@ class _Native:
 
     def __init__(self, lib, backend):
         self.lib, self.backend = lib, backend
+        # looked up now: free() may run from the collector inside a cffi call that holds cffi's (non-reentrant)
+        # lock, and the first lookup of a function takes that lock: the process hung there
+        self._ggml_free = lib.ggml_free
         self.sched = self.galloc = self.in_buf = None
         self.ctx = self.ctx_in = None
         self.split_keys: list[int] = []  # hotggml.meta's registry entries of this Graph's leaves
@@ -338,7 +360,7 @@ class _Native:
         self.sched = self.galloc = self.in_buf = None  # cffi frees the allocator and the input buffer
         for ctx in (self.ctx, self.ctx_in):
             if ctx is not None and ctx != ffi.NULL:
-                self.lib.ggml_free(ctx)
+                self._ggml_free(ctx)
         self.ctx = self.ctx_in = self.backend = None
 
 
@@ -470,8 +492,8 @@ def interrupts_deferred():
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-        if pending:
-            deliver_interrupt(pending[0])  # to the handler the caller had, as if the signal came now
+        if pending:  # to the handler the caller had, as if the signal came now (a termination before a SIGINT)
+            deliver_interrupt(next((signum for signum in pending if signum != signal.SIGINT), pending[0]))
 
 
 def _blocked(t: "Tensor") -> int:
@@ -1399,7 +1421,8 @@ class Graph:
         raw = np.empty(size, dtype=np.uint8)
         with self.backend.lock:  # an RPC backend's commands share one connection with a compute in another thread
             self.lib.ggml_backend_tensor_get(src, ffi.from_buffer(raw), offs, size)
-            if self.backend.endpoint is not None and self.backend.lost():  # ggml-rpc gives NaN bytes (rpc-lost-server)
+            # a failed get gives 0xFF bytes (rpc-lost-server): then the server is asked whether it is gone
+            if self.backend.endpoint is not None and size and raw.min() == 0xFF and self.backend.lost():
                 raise self.backend.connection_lost("read()")
         raw = raw[start:start + span]
         view = np.lib.stride_tricks.as_strided(raw.view(t.dtype) if span % itemsize == 0 else raw[: span - span % itemsize].view(t.dtype),

@@ -115,13 +115,14 @@ class _Native:
 
     def __init__(self, lib, graph):
         self.lib, self.graph = lib, graph
+        self._opt_free = lib.ggml_opt_free  # looked up now: free() may run inside a cffi call (hotggml.graph._Native)
         self.opt = None
         self.sched = None
         self.pars = None
 
     def free(self) -> None:
         if self.opt is not None:
-            self.lib.ggml_opt_free(self.opt)
+            self._opt_free(self.opt)
             self.opt = None
         if self.sched is not None:
             self.sched.close()
@@ -385,12 +386,13 @@ class Optimizer:
             if self.loss in LABELLED:
                 lib.ggml_backend_tensor_set(lib.ggml_opt_labels(opt), ffi.from_buffer(y), 0, y.nbytes)
             lib.ggml_opt_eval(opt, ffi.NULL)  # (returns no status: an RPC server gone leaves NaN weights)
-            lost = self._remote and lost_among(self._native.sched.backends, "the optimizer step")
+            out = ffi.new("float[1]")
+            lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
+            # a failed compute or get leaves a NaN loss (0xFF bytes): then the server is asked whether it is gone
+            lost = self._remote and math.isnan(out[0]) and lost_among(self._native.sched.backends, "the optimizer step")
             if lost:
                 raise lost
             self.n_micro += 1  # before a deferred interrupt is raised: the step was taken
-            out = ffi.new("float[1]")
-            lib.ggml_backend_tensor_get(lib.ggml_opt_loss(opt), out, 0, 4)
         loss = float(out[0])
         if self.loss in PER_DATAPOINT:
             loss *= self.opt_period
@@ -407,7 +409,8 @@ class Optimizer:
         out = np.empty(tuple(reversed(t.ne)), dtype=t.dtype)
         with self.graph.backend.lock:  # an RPC backend's commands share one connection with a step in another thread
             self.lib.ggml_backend_tensor_get(t.ptr, ffi.from_buffer(out), 0, out.nbytes)
-            if self._remote and self.graph.backend.lost():  # ggml-rpc gives NaN bytes (rpc-lost-server)
+            raw = out.view(np.uint8)  # a failed get gives 0xFF bytes (rpc-lost-server): then the server is asked
+            if self._remote and raw.size and raw.min() == 0xFF and self.graph.backend.lost():
                 raise self.graph.backend.connection_lost("read()")
         return out
 

@@ -40,6 +40,7 @@ class Scheduler:
         if isinstance(graph_size, bool) or not isinstance(graph_size, int) or not 1 <= graph_size <= self.GRAPH_SIZE_LIMIT:
             raise InputError(f"graph_size must be an int in [1, {self.GRAPH_SIZE_LIMIT}], got {graph_size!r}")
         self.lib = load()
+        self._sched_free = self.lib.ggml_backend_sched_free  # looked up now: close() may run inside a cffi call
         self._own_cpu = None if backend.device_name == "CPU" else Backend("CPU")
         self.backends = [backend] + ([self._own_cpu] if self._own_cpu else [])
         ptrs = ffi.new("ggml_backend_t[]", [b._ptr for b in self.backends])
@@ -154,7 +155,7 @@ class Scheduler:
     def close(self) -> None:
         """Free the scheduler, then the CPU backend it opened (never the caller's backend)."""
         if self._ptr is not None:
-            self.lib.ggml_backend_sched_free(self._ptr)
+            self._sched_free(self._ptr)
             self._ptr = None
         if self._own_cpu is not None:
             self._own_cpu.close()

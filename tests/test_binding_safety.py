@@ -581,3 +581,36 @@ def test_inputs_are_not_held_twice(lib):
         g.compute()
         assert float(g.read(x).ravel()[12345]) == 0.5 and float(g.grad(x).ravel()[-1]) == 1.0
     assert freed >= 30 * 2**20, f"build() freed {freed} bytes of NumPy data"
+
+
+GC_IN_CFFI = """
+import gc
+import cffi
+import numpy as np
+from hotggml.ffi import ffi
+from hotggml.graph import Backend, Graph
+from hotggml.opt import Optimizer
+be = Backend("CPU")
+class Cycle:  # held only by a reference cycle: freed at the cyclic collector's next run
+    pass
+c = Cycle(); c.self = c; c.g = Graph(be); c.g.input(np.ones(3, np.float32))
+g = Graph(be); x = g.input(np.zeros((4, 3), np.float32)); w = g.param(np.full((2, 3), .1, np.float32))
+c.opt = Optimizer(g, x, g.mul_mat(w, x), loss="mse")
+del c, g, x, w
+real = cffi.api.FFI._typeof_locked
+def typeof_locked(self, cdecl):  # the collector's run inside cffi's locked parse of a new type
+    gc.collect()
+    return real(self, cdecl)
+cffi.api.FFI._typeof_locked = typeof_locked
+ffi.new("char[7]")
+print("alive")
+"""
+
+
+def test_the_collector_freeing_a_graph_inside_a_cffi_call_does_not_hang(lib):
+    """A Graph or Optimizer collected while cffi parsed a new type (cffi's lock held) looked up ggml_free /
+    ggml_opt_free for the first time, which takes that lock: the process hung for good (an RPC test's
+    Optimizer.step did, on a ffi.new)."""
+    run = subprocess.run([sys.executable, "-c", GC_IN_CFFI], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(paths.REPO_ROOT)})
+    assert run.returncode == 0 and run.stdout.strip() == "alive", run.stderr[-2000:]
