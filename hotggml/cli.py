@@ -155,8 +155,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         if args.func is _run_pin_set and _pin_set_in_progress():
-            print("hotggml: interrupted: the `hotggml pin set` is still in progress: finish it with `hotggml pin set "
-                  "--continue` or undo it with `hotggml pin set --abort`", file=sys.stderr)
+            print("hotggml: interrupted: a `hotggml pin set` is in progress (this one, or another that holds its "
+                  "lock): once none runs, finish it with `hotggml pin set --continue` or undo it with `hotggml pin "
+                  "set --abort`", file=sys.stderr)
         else:
             print("hotggml: interrupted (a keyed build or tree left half-done is redone on the next run)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -967,8 +968,9 @@ def _pin_set_locked(args: argparse.Namespace) -> int:
           f"upstream {record['upstream_commit'][:12]}: commit patches/, hotggml/pin.json and vendor/ggml together")
     if outcome.dropped:
         print(f"hotggml: note: the rebase left out {', '.join(outcome.dropped)} (a resolution emptied it, or it was "
-              "skipped): it is no longer in patches/series (`git diff patches/` shows it; `git checkout patches/` "
-              "and `hotggml pin set` again to keep it)", file=sys.stderr)
+              "skipped): no longer in patches/series; its text is in git (`git show HEAD:patches/NAME`): to keep "
+              "it, commit its change in the work tree with its trailers, then `hotggml patches export`",
+              file=sys.stderr)
     if record["upstream_commit"] == record.get("tree"):  # a tarball without --upstream-commit
         print(f"hotggml: note: {record['upstream_commit'][:12]} is the tarball's tree hash, not an upstream commit: no "
               "clone can fetch it as vendor/ggml; pass --upstream-commit with upstream's commit of this tree",

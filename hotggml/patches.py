@@ -31,7 +31,7 @@ import git
 from hotggml import gitutil, paths, pin, procs
 from hotggml.errors import PatchError
 from hotggml.series import (SERIES_FILE, check_lf, conflict_markers, patch_break, read_utf8, series_entries,  # noqa: F401
-                            series_hash)  # (re-exported)
+                            series_hash, series_hash_v1)  # (re-exported)
 
 SUFFIX = ".patch"
 WORK_BRANCH = "hotggml"
@@ -296,7 +296,7 @@ def apply(dest: Path | str | None = None, *, patches_dir: Path | str | None = No
     dest.parent.mkdir(parents=True, exist_ok=True)
     with paths.lock(dest):
         _recover(dest)
-        done = _already_applied(dest, pin_sha, shash)
+        done = _already_applied(dest, pin_sha, shash, patches_dir)
         if done is not None:
             return done
         _check_replaceable(dest, patches_dir, force)
@@ -342,12 +342,25 @@ def _recover(dest: Path) -> None:
     procs.remove_tree(_old(dest))
 
 
-def _already_applied(dest: Path, pin_sha: str, shash: str) -> ApplyResult | None:
+def recorded_series(repo: git.Repo, patches_dir: Path | str | None = None) -> str | None:
+    """The series hash the work repo records (None: none): a value of the former formula (series_hash_v1, a
+    repo made before) that is patches_dir's own reads as today's series_hash, so that an upgrade strands no
+    work repo (its unexported commits refused by apply, and export taking the series for hand-edited)."""
+    recorded = gitutil.config_get(repo, CONFIG_SERIES)
+    try:
+        if recorded is not None and recorded == series_hash_v1(patches_dir):
+            return series_hash(patches_dir)
+    except (PatchError, OSError):
+        pass
+    return recorded
+
+
+def _already_applied(dest: Path, pin_sha: str, shash: str, patches_dir: Path | str | None) -> ApplyResult | None:
     repo = gitutil.open_repo(dest)
     if repo is None:
         return None
     head = gitutil.rev_parse(repo, "HEAD")
-    recorded = (gitutil.config_get(repo, CONFIG_SERIES), gitutil.config_get(repo, CONFIG_PIN),
+    recorded = (recorded_series(repo, patches_dir), gitutil.config_get(repo, CONFIG_PIN),
                 gitutil.config_get(repo, CONFIG_HEAD))
     if recorded != (shash, pin_sha, head) or gitutil.is_dirty(repo):
         return None
@@ -443,7 +456,7 @@ def status(*, patches_dir: Path | str | None = None, tree: Path | str | None = N
     recorded = None
     if repo is not None and pin.pin_ref(repo):
         in_tree = _series_commits(repo, strict=False)
-        recorded = gitutil.config_get(repo, CONFIG_SERIES)
+        recorded = recorded_series(repo, patches_dir)
     names = {name for name, _ in in_tree}
     report = []
     for patch in series:
@@ -534,8 +547,11 @@ def export(out_dir: Path | str | None = None, dry_run: bool = False, *,
     outputs[SERIES_FILE] = _series_text(out_dir / SERIES_FILE, filenames).encode()
     changed = [out_dir / name for name, data in outputs.items() if _read(out_dir / name) != data]
     removed = [out_dir / name for name in _old_entries(out_dir) if name not in outputs and (out_dir / name).exists()]
+    ours = out_dir.resolve() == paths.PATCHES_DIR.resolve()
+    if ours and gitutil.config_get(repo, CONFIG_EXPORTING) == gitutil.rev_parse(repo, "HEAD"):
+        # finishing a cut-off export: the series may be written already, and the patches it dropped still there
+        removed += [path for path in sorted(out_dir.glob(f"*{SUFFIX}")) if path.name not in outputs and path not in removed]
     if not dry_run:
-        ours = out_dir.resolve() == paths.PATCHES_DIR.resolve()
         if ours:  # a cut-off export is finished by the next, not taken for a hand edit of patches/
             gitutil.config_set(repo, {CONFIG_EXPORTING: gitutil.rev_parse(repo, "HEAD")})
         _write_all(out_dir, outputs, changed, removed)
@@ -559,7 +575,7 @@ def _check_exportable(repo: git.Repo, tree: Path, out_dir: Path, force: bool) ->
                          f"(`git checkout {WORK_BRANCH}`)")
     if force or out_dir.resolve() != paths.PATCHES_DIR.resolve():
         return  # the recorded hash is of the checkout's patches/ (another folder is the caller's to fill)
-    recorded = gitutil.config_get(repo, CONFIG_SERIES)
+    recorded = recorded_series(repo, out_dir)
     try:
         current = series_hash(out_dir)
     except PatchError:
@@ -596,19 +612,41 @@ def _render(repo: git.Repo, commits: list[tuple[str, str]]) -> dict[str, bytes]:
 
 
 def _series_text(series_path: Path, filenames: list[str]) -> str:
-    # The same patches in the same order: the file as it is (its comments, wherever they are). Else the leading
-    # comment block (explanations of the series) and canonical entries.
-    if series_path.is_file() and _old_entries(series_path.parent) == filenames:
-        text = read_utf8(series_path)
-        if text.endswith("\n"):
-            return text
-    header = []
-    if series_path.is_file():
-        for line in read_utf8(series_path).splitlines():
+    """The series file for filenames, the existing file's lines kept (its comments wherever they are, an
+    entry's own): entries no longer exported dropped, new ones after the entry before them (the first, after
+    the leading comment block). Where the kept entries' order changed: the leading comment block, then the
+    names."""
+    lines = read_utf8(series_path).splitlines() if series_path.is_file() else []  # (not UTF-8: named, nothing lost)
+    kept, seen = [], []
+    for line in lines:
+        entry = line.split("#", 1)[0].strip()
+        if entry and entry not in filenames:
+            continue
+        kept.append(line)
+        seen += [entry] if entry else []
+    if seen != [name for name in filenames if name in seen]:  # reordered (or listed twice): canonical
+        header = []
+        for line in lines:
             if line.strip() and not line.lstrip().startswith("#"):
                 break
             header.append(line)
-    return "".join(line + "\n" for line in header + filenames)
+        return "".join(line + "\n" for line in header + filenames)
+    new_after: dict[str | None, list[str]] = {}
+    previous = None
+    for name in filenames:
+        if name in seen:
+            previous = name
+        else:
+            new_after.setdefault(previous, []).append(name)
+    out = []
+    for line in kept:
+        entry = line.split("#", 1)[0].strip()
+        if entry and entry == seen[0]:
+            out += new_after.pop(None, [])
+        out.append(line)
+        out += new_after.pop(entry, []) if entry else []
+    out += new_after.pop(None, [])  # no entry kept at all
+    return "".join(line + "\n" for line in out)
 
 
 def _old_entries(out_dir: Path) -> list[str]:

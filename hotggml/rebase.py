@@ -29,6 +29,7 @@ from hotggml.series import conflict_markers
 
 NEW_PIN_REF = "refs/hotggml/new-pin"
 STATE_NAME = "pin-set"
+CACHE_ADDED = "cache-added"  # in the state folder: the tarball this pin set copied into the cache
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,7 @@ def _stage_new_pin(repo, source: str, record: dict, origin: Path, is_tarball: bo
         cached.parent.mkdir(parents=True, exist_ok=True)
         if not cached.is_file():
             shutil.copyfile(source, cached)  # fetch finds the new pin's source here from now on
+            (state / CACHE_ADDED).write_text(cached.name)  # --abort takes it out again: no pin's source then
     want = f"refs/heads/{pin.PIN_BRANCH}" if is_tarball else record["pin_commit"]
     gitutil.run(repo, "fetch", "--quiet", "--no-tags", str(origin), f"+{want}:{NEW_PIN_REF}",
                 config={"uploadpack.allowAnySHA1InWant": "true"})
@@ -256,6 +258,9 @@ def abort() -> dict:
         if state.get("old_gitlink") and pin.gitlink() != state["old_gitlink"]:
             pin.set_gitlink(state["old_gitlink"])
         pin.restore(old_record, state.get("old_vendor_head"))
+    added = state_dir() / CACHE_ADDED
+    if added.is_file():  # a corrected tarball of the same name is then another pin set's, not refused
+        (paths.cache_dir() / added.read_text().strip()).unlink(missing_ok=True)
     (state_dir() / "state.json").unlink()
     shutil.rmtree(state_dir(), ignore_errors=True)
     return pin_record.read()

@@ -99,6 +99,19 @@ def patch_break(line: bytes) -> bool:
             or (line.startswith(b"--- ") and len(line) > 4 and not line[4:5].isspace()))
 
 
+def series_hash_v1(patches_dir: Path | str | None = None) -> str:
+    """series_hash as hotggml computed it before the series file's comments and layout stopped counting (every
+    byte of the file): what work repos made then record. Raises PatchError as series_hash does."""
+    patches_dir = Path(patches_dir or paths.PATCHES_DIR)
+    entries = series_entries(patches_dir)
+    digest = hashlib.sha256((patches_dir / SERIES_FILE).read_bytes())
+    for entry in entries:
+        data = (patches_dir / entry).read_bytes()
+        digest.update(f"\0{entry}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
 def _patch_start(data: bytes) -> int:
     """Offset of the first line that ends a mail's message (patch_break); 0 where there is none (the whole
     file counts)."""
@@ -115,9 +128,10 @@ def code_hash(patches_dir: Path | str | None = None) -> str:
     series order, from the line where ``git am`` (which ``hotggml patches apply`` runs) ends the message
     (_patch_start, git's mailinfo rule); the whole file where no line starts a patch.
 
-    A patch's message and trailers (Patch-Name, Marker, Upstream-Status), its file name and the series file's
-    comments are not part of it: editing them changes series_hash (the work repo re-applies) but not this,
-    so a built library stays current; any change to what the patches change gives a new hash. It keys
+    A patch's message and trailers (Patch-Name, Marker, Upstream-Status) and its file name are not part of it:
+    editing them changes series_hash (the work repo re-applies) but not this, so a built library stays
+    current (the series file's comments change neither); any change to what the patches change gives a new
+    hash. It keys
     builds and is stamped into the library. Raises PatchError as series_entries does, or for a missing file.
     """
     patches_dir = Path(patches_dir or paths.PATCHES_DIR)

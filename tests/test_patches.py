@@ -489,3 +489,58 @@ def test_an_export_cut_off_while_writing_is_finished_by_the_next(applied, series
     patches.export(series_dir, tree=applied.tree)
     assert patches.export(series_dir, dry_run=True, tree=applied.tree) == []
     assert "// more" in (series_dir / patches.series_entries(series_dir)[-1]).read_text()
+
+
+def test_a_work_repo_recorded_with_the_former_series_hash_is_current(applied, series_dir, monkeypatch):
+    """A work repo made before series_hash stopped counting the series file's comments records the former
+    value: read as today's when it is patches/' own, so an upgrade neither marks every patch stale nor makes
+    export take patches/ for hand-edited (its unexported commits were stranded: only --force got out)."""
+    monkeypatch.setattr(paths, "PATCHES_DIR", series_dir)
+    repo = gitutil.open_repo(applied.tree)
+    gitutil.config_set(repo, {patches.CONFIG_SERIES: patches.series_hash_v1(series_dir)})
+    assert patches.series_hash_v1(series_dir) != patches.series_hash(series_dir)
+    assert {entry.state for entry in patches.status(patches_dir=series_dir, tree=applied.tree)} == {patches.APPLIED}
+    alloc = applied.tree / "src" / "ggml-alloc.c"
+    alloc.write_text(alloc.read_text() + "// my fix\n")
+    gitutil.commit_all(repo, "my fix\n\nWhy: a fix.\n\nPatch-Name: my-fix\nUpstream-Status: fork-only\n"
+                             "Marker: src/ggml-alloc.c: // my fix\n", pin.PIN_IDENTITY)
+    assert series_dir / "my-fix.patch" in patches.export(series_dir, tree=applied.tree)
+    gitutil.config_set(repo, {patches.CONFIG_SERIES: "0" * 64})  # another series: still refused
+    edit(series_dir / FIRST, "Why:", "Why :")
+    with pytest.raises(PatchError, match="changed since the work tree"):
+        patches.export(series_dir, tree=applied.tree)
+
+
+def test_an_export_that_changes_the_entries_keeps_the_comments(applied, series_dir, monkeypatch):
+    """A comment between entries is no edit series_hash sees: an export whose entries changed rewrote the series
+    from its leading comment block and dropped it without a word."""
+    monkeypatch.setattr(paths, "PATCHES_DIR", series_dir)
+    series = series_dir / "series"
+    names = patches.series_entries(series_dir)
+    series.write_text(series.read_text().replace(f"{names[2]}\n", f"# keep: why these two\n{names[2]}  # and this\n"))
+    gitutil.run(gitutil.open_repo(applied.tree), "reset", "-q", "--hard", "HEAD~1")  # the last patch goes
+    assert series in patches.export(series_dir, tree=applied.tree)
+    text = series.read_text()
+    assert f"# keep: why these two\n{names[2]}  # and this\n" in text and names[-1] not in text
+    assert patches.series_entries(series_dir) == names[:-1]
+
+
+def test_an_export_cut_off_before_its_removals_is_finished_by_the_next(applied, series_dir, monkeypatch):
+    """Cut off after the series was written but before the patches it dropped were removed: the next export
+    computed what to remove from the new series, left the orphan, and `check` failed ("not listed")."""
+    monkeypatch.setattr(paths, "PATCHES_DIR", series_dir)
+    last = patches.series_entries(series_dir)[-1]
+    gitutil.run(gitutil.open_repo(applied.tree), "reset", "-q", "--hard", "HEAD~1")
+    real = patches._write_all
+
+    def cut_off(out_dir, outputs, changed, removed):
+        real(out_dir, outputs, changed, [])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(patches, "_write_all", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        patches.export(series_dir, tree=applied.tree)
+    monkeypatch.setattr(patches, "_write_all", real)
+    assert (series_dir / last).exists() and last not in patches.series_entries(series_dir)
+    assert series_dir / last in patches.export(series_dir, tree=applied.tree)
+    assert not (series_dir / last).exists() and patches.export(series_dir, dry_run=True, tree=applied.tree) == []

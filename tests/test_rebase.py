@@ -226,6 +226,12 @@ def test_pin_set_waits_for_another_and_refuses_what_would_lose_or_mislead(tmp_pa
                  ["pin", "set", "--continue", "--upstream-commit", "0" * 40]):
         run = _hotggml(repo, env, *args)
         assert run.returncode == 2 and "go with a new `pin set SOURCE`" in run.stderr, (args, run.stderr[-2000:])
+    # a pin set stopped and aborted takes the tarball it copied into the cache out again: a corrected one of the
+    # same name is no other pin's source (it was refused)
+    assert _hotggml(repo, env, "pin", "set", str(conflicting)).returncode == 1
+    assert (state / "cache" / conflicting.name).is_file()
+    _hotggml(repo, env, "pin", "set", "--abort", check=True)
+    assert not (state / "cache" / conflicting.name).exists()
     # the lock a running pin set holds (hotggml.paths.lock's file for the pin-set folder), taken here
     key = hashlib.sha1(str((state / "pin-set").resolve()).encode()).hexdigest()[:16]
     (state / "locks").mkdir(parents=True, exist_ok=True)
