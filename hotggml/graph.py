@@ -73,7 +73,8 @@ class Backend:
     Threads: a Backend computes one graph at a time. ggml's backends are not reentrant (the CPU
     backend's work buffer and thread pool are the backend's), so every compute on it (Graph.compute,
     Graph.profile, Optimizer.step) holds the Backend's ``lock``: graphs on one Backend may be driven
-    from several Python threads and run one after another; for parallel work, one Backend per thread.
+    from several Python threads and run one after another; for parallel work, one Backend per thread. The
+    Backends of one RPC endpoint share one lock (ggml-rpc sends their commands over one connection).
     """
 
     def __init__(self, device_name: str, n_threads: int | None = None):
