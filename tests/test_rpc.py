@@ -415,3 +415,42 @@ def test_a_server_that_died_is_connection_lost_at_every_call(fork_lib):
     assert all(v.startswith("lost: ") and "RPC server at 127.0.0.1:" in v for v in said.values()), run.stdout
     assert "opt read lost: " in run.stdout, run.stdout
     assert abs(float(re.search(r"first step ([\d.]+)", run.stdout).group(1)) - 0.49) < 1e-6, run.stdout  # it trained
+
+
+SHARED = r'''
+import threading, time
+import numpy as np
+from hotggml import rpc
+from hotggml.graph import Backend, Graph
+with rpc.Server("CPU", n_threads=2) as server:
+    big = Graph(Backend(server.device_name))
+    x = big.input(np.random.default_rng(0).random((512, 512)).astype(np.float32) / 512)
+    y = x
+    for _ in range(24):
+        y = big.mul_mat(x, y)
+    big.build([y]); big.compute()
+    errors = []
+    def computes():
+        try:
+            for _ in range(3):
+                big.compute()
+        except Exception as e:
+            errors.append(repr(e))
+    th = threading.Thread(target=computes); th.start(); time.sleep(0.05)
+    small = Graph(Backend(server.device_name))  # a second Backend of the endpoint: the same connection
+    a = small.input(np.arange(6, dtype=np.float32)); b = small.add(a, a)
+    small.build([b])
+    for _ in range(20):
+        small.compute(); assert (small.read(b) == 2 * np.arange(6)).all()
+    th.join()
+    big.compute()
+    print("errors", errors)
+'''
+
+
+def test_two_backends_of_one_endpoint_in_two_threads(fork_lib):
+    """ggml-rpc sends every Backend's commands to a server over one connection: a graph on a second Backend of
+    the endpoint, computed while another thread computed on the first, interleaved their messages (the
+    connection failed, every buffer on it lost). The Backends of an endpoint share one lock."""
+    run = subprocess.run([sys.executable, "-c", SHARED], capture_output=True, text=True, timeout=300, env=_env(fork_lib))
+    assert run.returncode == 0 and run.stdout.strip().endswith("errors []"), run.stdout + run.stderr[-2000:]
