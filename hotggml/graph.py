@@ -534,7 +534,7 @@ def leaf_array(array: np.ndarray, dtype, what: str) -> np.ndarray:
     float type's range (they would become inf)."""
     dtype = np.dtype(dtype)
     if array.dtype.kind not in ("f", "i", "u", "b") or (dtype.kind == "i" and array.dtype.kind == "f"):
-        raise InputTypeError(f"{what}: a {dtype} leaf cannot take {array.dtype} values")
+        raise InputTypeError(f"{what}: {'an' if str(dtype)[0] in 'aeiou' else 'a'} {dtype} leaf cannot take {array.dtype} values")
     if array.size * dtype.itemsize > MAX_TENSOR_BYTES:  # before the copy (a broadcast view costs nothing to pass)
         raise InputError(f"{what}: shape {array.shape} of {dtype} is over {MAX_TENSOR_BYTES} bytes")
     if dtype.kind == "i" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):

@@ -314,14 +314,14 @@ def format_report(result: DemoResult, every: int) -> str:
 
 def write_plot(result: DemoResult, path: str) -> None:
     """Both loss curves (log scale) and their gap, to ``path`` (any format matplotlib knows by its suffix).
-    Raises InputError when matplotlib is missing (pip install 'hotggml[plot]')."""
+    Raises InputError when matplotlib is missing (pip install matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--plot needs matplotlib: pip install 'hotggml[plot]' (or pip install matplotlib)") from None
+        raise InputError("--plot needs matplotlib: pip install matplotlib") from None
     steps = np.arange(1, result.config.steps + 1)
     f, c = result.arms["fused"].losses, result.arms["chain"].losses
     fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 1))
@@ -361,7 +361,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=d.threads, help="CPU threads")
     parser.add_argument("--every", type=int, default=25, help="print the losses every N steps")
     parser.add_argument("--plot", metavar="PATH", type=_json_path, help="write both loss curves (needs matplotlib: "
-                        "pip install 'hotggml[plot]')")
+                        "pip install matplotlib)")
     parser.add_argument("--json", metavar="PATH", type=_json_path, help="write the curves, arenas and bars as JSON")
     parser.set_defaults(func=_run)
 
@@ -375,7 +375,7 @@ def _run(args) -> int:
 
     cfg = DemoConfig(steps=args.steps, seed=args.seed, threads=args.threads, backend=resolve_device(args.backend))
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # said before the training, not after
-        raise InputError("--plot needs matplotlib: pip install 'hotggml[plot]' (or pip install matplotlib)")
+        raise InputError("--plot needs matplotlib: pip install matplotlib")
     result = run(cfg)
     print(format_report(result, args.every))
     if args.plot:

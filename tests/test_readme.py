@@ -13,7 +13,8 @@ from hotggml import paths
 def test_readme_python_example_runs(lib):
     text = (paths.REPO_ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2, "the README has two Python examples: the ops with autodiff, a frozen cache with AdamW"
+    assert len(blocks) == 3, ("the README has three Python examples: the ops with autodiff, a graph through an RPC "
+                              "server, a frozen cache with AdamW")
     said = []
     for block in blocks:
         run = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300,
@@ -21,7 +22,8 @@ def test_readme_python_example_runs(lib):
         assert run.returncode == 0, run.stderr[-2000:]
         said.append(run.stdout)
     assert "O and dQ match float64 NumPy" in said[0]
-    assert "AdamW against a frozen q8_0 cache: loss" in said[1]
+    assert said[1].split() == ["RPC0", "True", "True"], said[1]
+    assert "AdamW against a frozen q8_0 cache: loss" in said[2]
 
 
 # the binding's example must not need the tooling: GitPython, the build orchestrator or the patch modules
