@@ -55,3 +55,12 @@ def test_readme_states_the_prerequisites_as_the_build_does():
     cmake_min = re.search(r"cmake_minimum_required\(VERSION ([\d.]+)\)", (paths.REPO_ROOT / "CMakeLists.txt").read_text())
     assert f"CMake >= {cmake_min.group(1)}" in readme
     assert f'cmake.version = ">={cmake_min.group(1)}"' in (paths.REPO_ROOT / "pyproject.toml").read_text()
+
+
+def test_the_readme_patch_table_lists_the_series_in_order():
+    """The README's table of patches names every patch of patches/series, in the series' order (it had drifted)."""
+    readme = (paths.REPO_ROOT / "README.md").read_text()
+    listed = re.findall(r"^\| `([a-z0-9_.-]+)`(?: \(fork-only\))? \|", readme, re.M)
+    series = [line.split("#", 1)[0].strip().removesuffix(".patch")
+              for line in (paths.PATCHES_DIR / "series").read_text().splitlines()]
+    assert listed == [name for name in series if name], listed
