@@ -1144,7 +1144,8 @@ class Graph:
             raise UsageError(f"{what} on a reserve_only Graph: its leaves hold no data (it is for arena_bytes())")
 
     def _upload_leaves(self) -> None:
-        with interrupts_deferred():  # a meta device asks the split callback of every leaf it allocates
+        # the lock: an RPC endpoint's Backends send their commands (this allocation, these uploads) over one connection
+        with self.backend.lock, interrupts_deferred():  # a meta device asks the split callback of every leaf it allocates
             self._upload_leaves_now()
 
     def _upload_leaves_now(self) -> None:

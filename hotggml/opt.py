@@ -223,7 +223,8 @@ class Optimizer:
         params.get_opt_pars = ffi.addressof(lib, "ggml_opt_get_constant_optimizer_params")
         params.get_opt_pars_ud = self._native.pars
         params.optimizer = lib.GGML_OPT_OPTIMIZER_TYPE_ADAMW
-        self._native.opt = lib.ggml_opt_init(params)
+        with graph.backend.lock:  # its static buffers: commands on an RPC endpoint's one connection
+            self._native.opt = lib.ggml_opt_init(params)
 
     # -- checks ------------------------------------------------------------------------------------
     @staticmethod
